@@ -1,0 +1,126 @@
+"""The 1:1 map between HF checkpoint tensor names and our parameter tree.
+
+Every HF tensor is one slice of one of our arrays:
+    ours[stack_index, expert_index] (those indices only where the array has the axis)
+Vectors are stored as they are; a matrix `hf` of shape [out, in] becomes
+    ours = hf.T.reshape(our slice shape)      (and back: ours.reshape(hf.shape[::-1]).T)
+which turns the per-head row blocks of q_b_proj, kv_b_proj, o_proj and the indexer's wq_b into
+explicit head axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from glm5_jax.model.config import ModelConfig
+
+Path = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorName:
+    hf_name: str
+    path: Path  # keys into our nested params dict
+    index: tuple[int, ...]  # leading indices into the array (layer, then expert)
+    transposed: bool = True  # False only for the embedding table, stored [vocab, hidden] alike
+
+
+
+
+def to_ours(name: TensorName, hf_tensor: np.ndarray, slice_shape: tuple[int, ...]) -> np.ndarray:
+    if hf_tensor.ndim == 1 or not name.transposed:
+        return hf_tensor.reshape(slice_shape)
+    return hf_tensor.T.reshape(slice_shape)
+
+
+def to_hf(name: TensorName, our_slice: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
+    if len(hf_shape) == 1 or not name.transposed:
+        return our_slice.reshape(hf_shape)
+    return np.ascontiguousarray(our_slice.reshape(hf_shape[::-1]).T)
+
+
+def _layer_names(config: ModelConfig, hf_prefix: str, path: Path, index: tuple[int, ...],
+                 ffn: str, has_indexer: bool) -> list[TensorName]:
+    def entry(hf_suffix: str, *our_keys: str, extra: tuple[int, ...] = ()) -> TensorName:
+        return TensorName(f"{hf_prefix}.{hf_suffix}", path + our_keys, index + extra)
+
+    names = [
+        entry("input_layernorm.weight", "input_norm", "scale"),
+        entry("post_attention_layernorm.weight", "post_attention_norm", "scale"),
+        entry("self_attn.q_a_proj.weight", "attention", "q_a_proj"),
+        entry("self_attn.q_a_layernorm.weight", "attention", "q_a_norm"),
+        entry("self_attn.q_b_proj.weight", "attention", "q_b_proj"),
+        entry("self_attn.kv_a_proj_with_mqa.weight", "attention", "kv_a_proj"),
+        entry("self_attn.kv_a_layernorm.weight", "attention", "kv_a_norm"),
+        entry("self_attn.kv_b_proj.weight", "attention", "kv_b_proj"),
+        entry("self_attn.o_proj.weight", "attention", "o_proj"),
+    ]
+    if has_indexer:
+        names += [
+            entry("self_attn.indexer.wq_b.weight", "attention", "indexer", "wq_b"),
+            entry("self_attn.indexer.wk.weight", "attention", "indexer", "wk"),
+            entry("self_attn.indexer.k_norm.weight", "attention", "indexer", "k_norm_scale"),
+            entry("self_attn.indexer.k_norm.bias", "attention", "indexer", "k_norm_bias"),
+            entry("self_attn.indexer.weights_proj.weight", "attention", "indexer", "weights_proj"),
+        ]
+    projections = ("gate_proj", "up_proj", "down_proj")
+    if ffn == "dense":
+        names += [entry(f"mlp.{p}.weight", "mlp", p) for p in projections]
+        return names
+    names += [entry("mlp.gate.weight", "moe", "router"),
+              entry("mlp.gate.e_score_correction_bias", "moe", "router_bias")]
+    for expert in range(config.num_experts):
+        names += [entry(f"mlp.experts.{expert}.{p}.weight", "moe", p, extra=(expert,))
+                  for p in projections]
+    if config.num_shared_experts:
+        names += [entry(f"mlp.shared_experts.{p}.weight", "moe", "shared_experts", p)
+                  for p in projections]
+    return names
+
+
+def checkpoint_names(config: ModelConfig) -> list[TensorName]:
+    """Every tensor of the HF checkpoint of `config`, in a stable order."""
+    names = [TensorName("model.embed_tokens.weight", ("embed",), (), transposed=False)]
+    for layer in range(config.num_layers):
+        dense = layer < config.num_dense_layers
+        stack, index = ("dense_layers", layer) if dense else ("moe_layers",
+                                                               layer - config.num_dense_layers)
+        names += _layer_names(config, f"model.layers.{layer}", (stack,), (index,),
+                              "dense" if dense else "moe",
+                              config.indexer_types[layer] == "full")
+    names += [TensorName("model.norm.weight", ("final_norm", "scale"), ()),
+              TensorName("lm_head.weight", ("lm_head",), ())]
+    if config.num_mtp_layers:
+        prefix = f"model.layers.{config.num_layers}"
+        names += [
+            TensorName(f"{prefix}.enorm.weight", ("mtp", "enorm", "scale"), ()),
+            TensorName(f"{prefix}.hnorm.weight", ("mtp", "hnorm", "scale"), ()),
+            TensorName(f"{prefix}.eh_proj.weight", ("mtp", "eh_proj"), ()),
+            TensorName(f"{prefix}.shared_head.norm.weight", ("mtp", "final_norm", "scale"), ()),
+        ]
+        names += _layer_names(config, prefix, ("mtp", "layer"), (), "moe", True)
+    return names
+
+
+def optional_duplicates(config: ModelConfig) -> set[str]:
+    """Tensors some MTP checkpoints repeat (copies of the main embedding and head); ignored."""
+    if not config.num_mtp_layers:
+        return set()
+    prefix = f"model.layers.{config.num_layers}"
+    return {f"{prefix}.embed_tokens.weight", f"{prefix}.shared_head.head.weight"}
+
+
+def hf_shape(name: TensorName, our_slice_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF tensor shape ([out, in] for matrices) of one of our slices.
+
+    Our matrices put the input axis first ([in, heads..., out]) except o_proj, whose head axes
+    are its inputs ([heads, head_dim, out]).
+    """
+    shape = tuple(our_slice_shape)
+    if len(shape) == 1 or not name.transposed:
+        return shape
+    if name.path[-1] == "o_proj":
+        return (shape[-1], int(np.prod(shape[:-1])))
+    return (int(np.prod(shape[1:])), shape[0])

@@ -1,0 +1,141 @@
+"""DeepSeek Sparse Attention (DSA): the lightning indexer, top-k selection and attention masks.
+
+The indexer scores every (query, key) pair cheaply:
+    I[t, s] = sum_m w_m(t) * ReLU(iq_m(t) . ik(s) / sqrt(index_head_dim)),  w = (u Wiw) / sqrt(M)
+and each query attends only to its top-k keys (intersected with the causal/document mask).
+This module is the plain-jnp formulation (dense [T, S] scores); the sparse kernels live in
+kernels_pallas/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.model.layers import apply_rope, declare_weight, layer_norm, normal_init
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerSpec:
+    hidden_size: int
+    q_lora_rank: int
+    index_num_heads: int
+    index_head_dim: int
+    index_topk: int
+    qk_rope_head_dim: int
+    index_norm_eps: float
+    initializer_range: float
+
+
+def base_mask(positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Causal AND same-document mask. positions, segment_ids: [B, T] -> bool [B, T, S=T]."""
+    causal = positions[:, :, None] >= positions[:, None, :]
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal & same_doc
+
+
+def sliding_window_mask(positions: jax.Array, window: int) -> jax.Array:
+    """Keys within the last `window` positions (the query included). [B, T] -> bool [B, T, S]."""
+    return positions[:, :, None] - positions[:, None, :] < window
+
+
+def selection_mask(topk_indices: jax.Array, num_keys: int) -> jax.Array:
+    """Scatters selected key indices into a mask. [B, T, K] int -> bool [B, T, S=num_keys]."""
+    empty = jnp.zeros(topk_indices.shape[:2] + (num_keys,), dtype=bool)
+    return jnp.put_along_axis(empty, topk_indices, True, axis=-1, inplace=False)
+
+
+def indexer_scores(x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array,
+                   wq_b: jax.Array, wk: jax.Array, k_norm_scale: jax.Array,
+                   k_norm_bias: jax.Array, weights_proj: jax.Array, *, rope_dim: int,
+                   norm_eps: float) -> jax.Array:
+    """Index scores I[b, t, s] in float32 (no mask applied).
+
+    x: [B, T, D] attention input; q_latent: [B, T, R] normalised query latent;
+    cos, sin: [B, T, rope_dim/2]; wq_b: [R, M, H]; wk: [D, H]; k_norm_*: [H];
+    weights_proj: [D, M]. Returns [B, T, S=T].
+    """
+    num_index_heads, index_head_dim = wq_b.shape[1:]
+    q = jnp.einsum("BTR,RMH->BTMH", q_latent, wq_b.astype(q_latent.dtype))
+    k = layer_norm(jnp.einsum("BSD,DH->BSH", x, wk.astype(x.dtype)), k_norm_scale, k_norm_bias,
+                   norm_eps)
+    # The rope slice comes first in the indexer (unlike MLA, where it comes last).
+    q = jnp.concatenate([apply_rope(q[..., :rope_dim], cos, sin), q[..., rope_dim:]], axis=-1)
+    k = jnp.concatenate([apply_rope(k[..., :rope_dim], cos, sin), k[..., rope_dim:]], axis=-1)
+    scores = jnp.einsum("BTMH,BSH->BTMS", q.astype(jnp.float32), k.astype(jnp.float32))
+    scores = jax.nn.relu(scores * index_head_dim**-0.5)
+    head_weights = jnp.einsum("BTD,DM->BTM", x.astype(jnp.float32),
+                              weights_proj.astype(jnp.float32)) * num_index_heads**-0.5
+    return jnp.einsum("BTM,BTMS->BTS", head_weights, scores)
+
+
+def select_topk(scores: jax.Array, allowed: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k keys per query among the allowed ones.
+
+    scores: [B, T, S] float32; allowed: bool [B, T, S]. k = min(topk, S).
+    Returns (indices [B, T, k] int32, boundary_gap [B, T] float32): the gap between the k-th and
+    (k+1)-th allowed scores, +inf where no (k+1)-th allowed key exists. A zero gap is a tie at
+    the selection boundary, where two correct implementations may pick different keys.
+    """
+    num_keys = scores.shape[-1]
+    k = min(topk, num_keys)
+    masked = jnp.where(allowed, scores, NEG_INF)
+    if k < num_keys:
+        values, indices = jax.lax.top_k(masked, k + 1)
+        gap = jnp.where(jnp.isneginf(values[..., k]), jnp.inf, values[..., k - 1] - values[..., k])
+        indices = indices[..., :k]
+    else:
+        indices = jax.lax.top_k(masked, k)[1]
+        gap = jnp.full(scores.shape[:2], jnp.inf, jnp.float32)
+    return jax.lax.stop_gradient(indices.astype(jnp.int32)), jax.lax.stop_gradient(gap)
+
+
+class Indexer(nn.Module):
+    """The lightning indexer's weights and its top-k selection."""
+
+    spec: IndexerSpec
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, q_latent, cos, sin, allowed, run, previous_indices):
+        """Selects keys on layers that run the indexer; other layers reuse `previous_indices`.
+
+        x: [B, T, D]; q_latent: [B, T, R]; cos, sin: [B, T, rope_dim/2]; allowed: bool [B, T, S];
+        run: bool scalar (traced under scan) or a Python bool; previous_indices: [B, T, k].
+        Returns (topk indices [B, T, k] int32, boundary gap [B, T]); see `select_topk`.
+        """
+        spec = self.spec
+        init = normal_init(spec.initializer_range)
+        heads, dim = spec.index_num_heads, spec.index_head_dim
+        wq_b = declare_weight(self, "wq_b", (spec.q_lora_rank, heads, dim),
+                              ("q_lora", "index_heads", "head_dim"), self.param_dtype, init)
+        wk = declare_weight(self, "wk", (spec.hidden_size, dim), ("embed", "head_dim"),
+                            self.param_dtype, init)
+        k_norm_scale = declare_weight(self, "k_norm_scale", (dim,), ("norm",), self.param_dtype,
+                                      nn.initializers.ones)
+        k_norm_bias = declare_weight(self, "k_norm_bias", (dim,), ("norm",), self.param_dtype,
+                                     nn.initializers.zeros)
+        # Kept in float32, as in the reference (its output weighs the heads' scores).
+        weights_proj = declare_weight(self, "weights_proj", (spec.hidden_size, heads),
+                                      ("embed", "index_heads"), jnp.float32, init)
+
+        def run_indexer():
+            # The indexer is not trained by the language-model loss (the reference runs it
+            # under no_grad); its output is a discrete selection anyway.
+            scores = indexer_scores(
+                jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), cos, sin, wq_b, wk,
+                k_norm_scale, k_norm_bias, weights_proj, rope_dim=spec.qk_rope_head_dim,
+                norm_eps=spec.index_norm_eps)
+            return select_topk(scores, allowed, spec.index_topk)
+
+        def reuse_previous():
+            return previous_indices, jnp.full(x.shape[:2], jnp.inf, jnp.float32)
+
+        if isinstance(run, bool):
+            return run_indexer() if run else reuse_previous()
+        return jax.lax.cond(run, run_indexer, reuse_previous)

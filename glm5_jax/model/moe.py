@@ -1,0 +1,117 @@
+"""Mixture of experts: sigmoid router with selection bias and group-limited top-k, routed
+experts run as a grouped (ragged) matmul over expert-sorted tokens, plus the shared expert.
+
+    sigma = sigmoid(u Wg)          (float32 gate)
+    b     = sigma + e_bias         (selection only)
+    keep the topk_group groups with the largest sum of their top-2 b; others -inf
+    idx   = topk(b, K); w = sigma[idx]; w /= sum(w) + 1e-20 (optional); w *= routed_scaling
+    y     = sum_k w_k expert_{idx_k}(u) + shared(u)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.model.layers import MLP, declare_weight, normal_init
+from glm5_jax.parallel import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_token: int
+    num_shared_experts: int
+    num_expert_groups: int
+    num_selected_groups: int
+    normalize_topk_weights: bool
+    routed_scaling_factor: float
+    initializer_range: float
+
+
+def route(x: jax.Array, router: jax.Array, selection_bias: jax.Array, spec: MoESpec):
+    """Chooses experts per token.
+
+    x: [T, D]; router: [D, E] (float32); selection_bias: [E].
+    Returns (weights [T, K] float32, expert indices [T, K] int32, scores [T, E] float32).
+    """
+    scores = jax.nn.sigmoid(jnp.einsum("TD,DE->TE", x.astype(jnp.float32),
+                                       router.astype(jnp.float32)))
+    choice = scores + selection_bias.astype(jnp.float32)
+    groups = spec.num_expert_groups
+    if groups > 1:
+        grouped = choice.reshape(choice.shape[0], groups, -1)  # [T, G, E/G]
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
+        kept_groups = jax.lax.top_k(group_scores, spec.num_selected_groups)[1]
+        group_kept = jnp.zeros_like(group_scores, dtype=bool)
+        group_kept = jnp.put_along_axis(group_kept, kept_groups, True, axis=-1, inplace=False)
+        choice = jnp.where(group_kept[:, :, None], grouped, -jnp.inf).reshape(choice.shape)
+    experts = jax.lax.top_k(jax.lax.stop_gradient(choice), spec.num_experts_per_token)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if spec.normalize_topk_weights:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * spec.routed_scaling_factor, experts.astype(jnp.int32), scores
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
+                   up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+    """Runs each token through its chosen experts, dropless.
+
+    x: [T, D]; weights, experts: [T, K]; gate/up: [E, D, F]; down: [E, F, D]. Returns [T, D].
+    Token copies are sorted by expert so each expert's rows are contiguous; a grouped matmul
+    (`ragged_dot`) then applies every expert to its own rows.
+    """
+    num_tokens, top_k = experts.shape
+    num_experts = gate_proj.shape[0]
+    dtype = x.dtype
+    flat_experts = experts.reshape(-1)  # [T*K]
+    order = jnp.argsort(flat_experts, stable=True)
+    token_of_row = order // top_k  # [T*K] source token of each sorted row
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+    rows = x[token_of_row]  # [T*K, D]
+    gate = jax.lax.ragged_dot(rows, gate_proj.astype(dtype), group_sizes)
+    up = jax.lax.ragged_dot(rows, up_proj.astype(dtype), group_sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_proj.astype(dtype), group_sizes)
+    out = out * weights.reshape(-1)[order][:, None].astype(dtype)
+    return jnp.zeros((num_tokens, x.shape[-1]), dtype).at[token_of_row].add(out)
+
+
+class MoE(nn.Module):
+    spec: MoESpec
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [B, T, D] -> [B, T, D]. Sows per-expert token counts as intermediates."""
+        spec = self.spec
+        init = normal_init(spec.initializer_range)
+        num_experts, hidden, inner = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+        # Router weight and selection bias stay float32 (the reference keeps them so).
+        router = declare_weight(self, "router", (hidden, num_experts), ("embed", "experts"),
+                                jnp.float32, init)
+        selection_bias = declare_weight(self, "router_bias", (num_experts,), ("experts",),
+                                        jnp.float32, nn.initializers.zeros)
+        expert_in = (num_experts, hidden, inner)
+        gate_proj = declare_weight(self, "gate_proj", expert_in, ("experts", "embed", "mlp"),
+                                   self.param_dtype, init)
+        up_proj = declare_weight(self, "up_proj", expert_in, ("experts", "embed", "mlp"),
+                                 self.param_dtype, init)
+        down_proj = declare_weight(self, "down_proj", (num_experts, inner, hidden),
+                                   ("experts", "mlp", "embed"), self.param_dtype, init)
+
+        batch, length, _ = x.shape
+        tokens = x.reshape(batch * length, hidden)
+        weights, experts, _ = route(tokens, router, selection_bias, spec)
+        self.sow("intermediates", "expert_load",
+                 jnp.bincount(experts.reshape(-1), length=num_experts))
+        y = routed_experts(tokens, weights, experts, gate_proj, up_proj, down_proj)
+        y = constrain(y.reshape(batch, length, hidden), ("batch", "length", "embed"))
+        if spec.num_shared_experts:
+            y = y + MLP(hidden, inner * spec.num_shared_experts, spec.initializer_range,
+                        self.param_dtype, name="shared_experts")(x)
+        return y

@@ -1,0 +1,226 @@
+"""The GLM-5 decoder: embedding, scanned dense and MoE layer stacks, final norm, LM head, MTP.
+
+Each layer: x += MLA(RMS(x)); x += FFN(RMS(x)), FFN = dense SwiGLU for the first
+`num_dense_layers` layers and MoE afterwards. The two stacks are `nn.scan`s, so compile time
+does not grow with depth; their weights carry a leading layer axis.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.dsa import IndexerSpec
+from glm5_jax.model.layers import MLP, RMSNorm, declare_weight, normal_init
+from glm5_jax.model.mla import AttentionSpec, LayerKinds, MLAttention
+from glm5_jax.model.moe import MoE, MoESpec
+from glm5_jax.parallel import constrain
+
+
+def attention_spec(config: ModelConfig) -> AttentionSpec:
+    indexer = IndexerSpec(
+        hidden_size=config.hidden_size, q_lora_rank=config.q_lora_rank,
+        index_num_heads=config.index_num_heads, index_head_dim=config.index_head_dim,
+        index_topk=config.index_topk, qk_rope_head_dim=config.qk_rope_head_dim,
+        index_norm_eps=config.index_norm_eps, initializer_range=config.initializer_range)
+    return AttentionSpec(
+        hidden_size=config.hidden_size, num_heads=config.num_heads,
+        q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim, latent_norm_eps=config.latent_norm_eps,
+        sliding_window=config.sliding_window, rope_theta=config.rope_theta,
+        initializer_range=config.initializer_range, indexer=indexer)
+
+
+def moe_spec(config: ModelConfig) -> MoESpec:
+    return MoESpec(
+        hidden_size=config.hidden_size, moe_intermediate_size=config.moe_intermediate_size,
+        num_experts=config.num_experts, num_experts_per_token=config.num_experts_per_token,
+        num_shared_experts=config.num_shared_experts, num_expert_groups=config.num_expert_groups,
+        num_selected_groups=config.num_selected_groups,
+        normalize_topk_weights=config.normalize_topk_weights,
+        routed_scaling_factor=config.routed_scaling_factor,
+        initializer_range=config.initializer_range)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer; `ffn` is "dense" or "moe"."""
+
+    config: ModelConfig
+    ffn: str
+    # Python bools when the whole stack agrees (no runtime branch); None: read the scanned flag.
+    uniform_run_indexer: bool | None = True
+    uniform_sliding: bool | None = False
+
+    @nn.compact
+    def __call__(self, carry, positions, segment_ids, run_indexer_flag, sliding_flag):
+        """carry = (x [B, T, D], topk indices [B, T, k]); flags: bool scalars of this layer."""
+        config = self.config
+        x, previous_indices = carry
+        param_dtype = config.weight_dtype
+        kinds = LayerKinds(
+            run_indexer=run_indexer_flag if self.uniform_run_indexer is None
+            else self.uniform_run_indexer,
+            sliding=sliding_flag if self.uniform_sliding is None else self.uniform_sliding)
+
+        normed = RMSNorm(config.rms_norm_eps, param_dtype, name="input_norm")(x)
+        attended, indices, gap = MLAttention(attention_spec(config), param_dtype, name="attention")(
+            normed, positions, segment_ids, previous_indices, kinds)
+        self.sow("intermediates", "selection_gap", jnp.min(gap))
+        x = x + attended
+
+        normed = RMSNorm(config.rms_norm_eps, param_dtype, name="post_attention_norm")(x)
+        if self.ffn == "dense":
+            x = x + MLP(config.hidden_size, config.dense_intermediate_size,
+                        config.initializer_range, param_dtype, name="mlp")(normed)
+        else:
+            x = x + MoE(moe_spec(config), param_dtype, name="moe")(normed)
+        x = constrain(x, ("batch", "length", "embed"))
+        return (x, indices), None
+
+
+def _stack_flags(config: ModelConfig, layers: range):
+    """Per-layer flags of a stack, and their static values when the stack is uniform."""
+    run = np.array([config.attention_types[i] == "dsa" and config.indexer_types[i] == "full"
+                    for i in layers])
+    sliding = np.array([config.attention_types[i] == "sliding_window" for i in layers])
+    uniform_run = bool(run[0]) if run.min() == run.max() else None
+    uniform_sliding = bool(sliding[0]) if sliding.min() == sliding.max() else None
+    return jnp.asarray(run), jnp.asarray(sliding), uniform_run, uniform_sliding
+
+
+class MTPHead(nn.Module):
+    """Multi-token prediction: predicts token t+2 from (hidden_t, embedding of token t+1)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, hidden, next_embeddings, positions, segment_ids, lm_head):
+        """hidden, next_embeddings: [B, T, D]; lm_head: [D, V]. Returns logits [B, T, V] f32."""
+        config = self.config
+        param_dtype = config.weight_dtype
+        embedded = RMSNorm(config.rms_norm_eps, param_dtype, name="enorm")(next_embeddings)
+        previous = RMSNorm(config.rms_norm_eps, param_dtype, name="hnorm")(hidden)
+        eh_proj = declare_weight(self, "eh_proj", (2 * config.hidden_size, config.hidden_size),
+                                 ("embed", "embed"), param_dtype,
+                                 normal_init(config.initializer_range))
+        x = jnp.concatenate([embedded, previous], axis=-1) @ eh_proj.astype(hidden.dtype)
+        batch, length = x.shape[:2]
+        no_indices = jnp.zeros((batch, length, min(config.index_topk, length)), jnp.int32)
+        # The MTP layer sits after the dense prefix, so it is an MoE layer.
+        (x, _), _ = DecoderLayer(config, "moe", name="layer")(
+            (x, no_indices), positions, segment_ids, True, False)
+        x = RMSNorm(config.rms_norm_eps, param_dtype, name="final_norm")(x)
+        return jnp.einsum("BTD,DV->BTV", x, lm_head.astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+class Transformer(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, input_ids, positions, segment_ids, with_mtp: bool = False):
+        """input_ids, positions, segment_ids: [B, T] int.
+
+        Returns {"logits": [B, T, V] f32, "hidden": [B, T, D] final-normed hidden states,
+        and with_mtp: "mtp_logits": [B, T-1, V] (position t predicts token t+2)}.
+        """
+        config = self.config
+        dtype, param_dtype = config.compute_dtype, config.weight_dtype
+        init = normal_init(config.initializer_range)
+        embed = declare_weight(self, "embed", (config.vocab_size, config.hidden_size),
+                               ("vocab", "embed"), param_dtype, init)
+        x = embed[input_ids].astype(dtype)
+        x = constrain(x, ("batch", "length", "embed"))
+        batch, length = input_ids.shape
+        indices = jnp.zeros((batch, length, min(config.index_topk, length)), jnp.int32)
+
+        stacks = (("dense_layers", "dense", range(0, config.num_dense_layers)),
+                  ("moe_layers", "moe", range(config.num_dense_layers, config.num_layers)))
+        for name, ffn, layers in stacks:
+            if not layers:
+                continue
+            run, sliding, uniform_run, uniform_sliding = _stack_flags(config, layers)
+            stack = nn.scan(
+                DecoderLayer,
+                variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, 0, 0),
+                length=len(layers),
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(config, ffn, uniform_run, uniform_sliding, name=name)
+            (x, indices), _ = stack((x, indices), positions, segment_ids, run, sliding)
+
+        hidden = RMSNorm(config.rms_norm_eps, param_dtype, name="final_norm")(x)
+        lm_head = declare_weight(self, "lm_head", (config.hidden_size, config.vocab_size),
+                                 ("embed", "vocab"), param_dtype, init)
+        logits = jnp.einsum("BTD,DV->BTV", hidden, lm_head.astype(dtype),
+                            preferred_element_type=jnp.float32)
+        outputs = {"logits": logits, "hidden": hidden}
+        if with_mtp and config.num_mtp_layers:
+            next_embeddings = embed[input_ids[:, 1:]].astype(dtype)
+            outputs["mtp_logits"] = MTPHead(config, name="mtp")(
+                hidden[:, :-1], next_embeddings, positions[:, :-1], segment_ids[:, :-1], lm_head)
+        return outputs
+
+
+def default_positions(input_ids: jax.Array) -> jax.Array:
+    """0..T-1 for every row. [B, T] -> [B, T] int32."""
+    return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+
+
+def apply_model(config: ModelConfig, params, input_ids, positions=None, segment_ids=None,
+                with_mtp: bool = False, collect_intermediates: bool = False):
+    """Runs the model. Returns the outputs dict of `Transformer` (plus "intermediates" when
+    collect_intermediates: per-layer expert loads and DSA selection gaps)."""
+    input_ids = jnp.asarray(input_ids)
+    if positions is None:
+        positions = default_positions(input_ids)
+    if segment_ids is None:
+        segment_ids = jnp.zeros_like(input_ids)
+    model = Transformer(config)
+    if collect_intermediates:
+        outputs, state = model.apply({"params": params}, input_ids, positions, segment_ids,
+                                     with_mtp, mutable=["intermediates"])
+        return {**outputs, "intermediates": state["intermediates"]}
+    return model.apply({"params": params}, input_ids, positions, segment_ids, with_mtp)
+
+
+def forward(config: ModelConfig, params, input_ids, positions=None, segment_ids=None):
+    """Logits of the main head. input_ids: [B, T] int -> float32 [B, T, vocab_size].
+
+    Works under `jax.jit` (config is hashable: mark it static). Optional positions and
+    segment_ids ([B, T]) support packed documents: attention never crosses a segment.
+    """
+    return apply_model(config, params, input_ids, positions, segment_ids)["logits"]
+
+
+def _init_boxed(config: ModelConfig, rng):
+    ids = jnp.zeros((1, 2), jnp.int32)
+    return Transformer(config).init(rng, ids, default_positions(ids), jnp.zeros_like(ids),
+                                    with_mtp=bool(config.num_mtp_layers))["params"]
+
+
+def init_params(config: ModelConfig, rng: jax.Array | int = 0):
+    """Random parameters (normal(initializer_range) weights, unit norms, zero biases).
+
+    Returns a plain nested dict of arrays; see docs/checkpoint_names.md for the names.
+    """
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    return nn.meta.unbox(jax.jit(_init_boxed, static_argnums=0)(config, rng))
+
+
+def param_shapes(config: ModelConfig):
+    """Parameter shapes and dtypes as a pytree of ShapeDtypeStruct (nothing allocated)."""
+    return nn.meta.unbox(jax.eval_shape(functools.partial(_init_boxed, config), jax.random.key(0)))
+
+
+def param_logical_axes(config: ModelConfig):
+    """The logical axis names of every parameter (a pytree of PartitionSpec)."""
+    return nn.get_partition_spec(jax.eval_shape(functools.partial(_init_boxed, config), jax.random.key(0)))

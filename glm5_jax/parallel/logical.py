@@ -1,0 +1,28 @@
+"""Logical axis names (one glossary) and the activation constraint helper."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+# Logical axis name -> what it indexes. Weights and activations use only these names.
+AXIS_NAMES = {
+    "layers": "stacked decoder layers (the scan axis)",
+    "vocab": "vocabulary entries",
+    "embed": "model width (hidden_size)",
+    "q_lora": "query low-rank latent",
+    "kv_lora": "key/value latent (plus the shared rope key)",
+    "heads": "attention heads",
+    "head_dim": "per-head feature dimension",
+    "index_heads": "DSA indexer heads",
+    "mlp": "feed-forward hidden units",
+    "experts": "routed experts",
+    "norm": "a norm's feature axis",
+    "batch": "sequences in a batch",
+    "length": "sequence positions",
+}
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """Sharding constraint on an activation by logical axis names (no-op without rules)."""
+    return nn.with_logical_constraint(x, axes)
