@@ -7,10 +7,14 @@ legitimately disagree, so each test first checks the smallest boundary gap and f
 (rather than passing or failing by luck) when it is too small to trust.
 """
 
+import json
+
 import numpy as np
 import pytest
 import torch
-from reference import build_reference, reference_logits
+from reference import build_reference, hf_config, randomize_, reference_logits
+from safetensors.torch import load_file, save_file
+from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
 import glm5_jax
 from glm5_jax.model import indexer_pattern
@@ -56,7 +60,7 @@ def check_parity(config, tmp_path, seq_len=24, batch=2, seed=1):
                                                                                  input_ids))))
     print(f"max |logit error| = {error:.3g}, smallest top-k boundary gap = {gap:.3g}")
     assert error <= MAX_LOGIT_ERROR
-    return error
+    return error, gap
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -71,10 +75,6 @@ def test_odd_sequence_length(tiny_config, tmp_path):
 def test_mtp_head_matches_reference_blocks(tiny_config, tmp_path):
     """The MTP head against the reference's own blocks: a decoder layer built by transformers
     at index num_hidden_layers, with enorm/hnorm/eh_proj/shared_head.norm applied around it."""
-    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
-
-    from reference import hf_config, randomize_
-
     config = tiny_config
     reference = build_reference(config.replace(num_mtp_layers=0), seed=3)
     extended = hf_config(config.replace(
@@ -109,13 +109,9 @@ def test_mtp_head_matches_reference_blocks(tiny_config, tmp_path):
         else:
             unpacked[key] = value
     reference.save_pretrained(tmp_path)
-    from safetensors.torch import load_file, save_file
-
     tensors = load_file(tmp_path / "model.safetensors")
     tensors.update({k: v.contiguous() for k, v in unpacked.items()})
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    import json
-
     config_json = json.loads((tmp_path / "config.json").read_text())
     config_json["num_nextn_predict_layers"] = 1
     (tmp_path / "config.json").write_text(json.dumps(config_json))

@@ -176,7 +176,7 @@ def save_pretrained(config: ModelConfig, params, path: str | os.PathLike,
         file_names = ([SINGLE_FILE] if len(shards) == 1 else
                       [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                        for i in range(len(shards))])
-        for file_name, shard in zip(file_names, shards):
+        for file_name, shard in zip(file_names, shards, strict=True):
             tensors = {}
             for name in shard:
                 leaf = leaves[name.hf_name]

@@ -194,7 +194,8 @@ class ModelConfig:
             require(self.sliding_window >= 1, "sliding_window",
                     "must be >= 1 when a layer's attention type is 'sliding_window'")
         seen_full = False
-        for layer, (attention, indexer) in enumerate(zip(self.attention_types, self.indexer_types)):
+        layer_types = zip(self.attention_types, self.indexer_types, strict=True)
+        for layer, (attention, indexer) in enumerate(layer_types):
             if attention != "dsa":
                 continue
             require(seen_full or indexer == "full", "indexer_types",

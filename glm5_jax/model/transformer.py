@@ -174,10 +174,12 @@ def default_positions(input_ids: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "with_mtp", "collect_intermediates"))
 def apply_model(config: ModelConfig, params, input_ids, positions=None, segment_ids=None,
                 with_mtp: bool = False, collect_intermediates: bool = False):
-    """Runs the model. Returns the outputs dict of `Transformer` (plus "intermediates" when
-    collect_intermediates: per-layer expert loads and DSA selection gaps)."""
+    """Runs the model (jitted; config is static). Returns the outputs dict of `Transformer`
+    (plus "intermediates" when collect_intermediates: per-layer expert loads and DSA selection
+    gaps)."""
     input_ids = jnp.asarray(input_ids)
     if positions is None:
         positions = default_positions(input_ids)

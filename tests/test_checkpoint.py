@@ -1,0 +1,169 @@
+"""HF checkpoint round trips and the errors bad checkpoint directories must give."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+from reference import build_reference, reference_logits
+from safetensors.numpy import load_file, save_file
+from transformers import GlmMoeDsaForCausalLM
+
+import glm5_jax
+from glm5_jax import CheckpointError, ConfigError
+from glm5_jax.checkpoint import checkpoint_names
+
+
+def perturbed_params(config, seed=0):
+    """Our random init with non-trivial norms and biases (ones/zeros would hide mapping bugs)."""
+    params = glm5_jax.init_params(config, seed)
+    rng = np.random.default_rng(seed)
+
+    def perturb(path, leaf):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if name.endswith("scale"):
+            return leaf + rng.uniform(-0.5, 0.5, leaf.shape).astype(leaf.dtype)
+        if name.endswith("bias"):
+            return leaf + rng.normal(0, 0.1, leaf.shape).astype(leaf.dtype)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(perturb, params)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tiny_config):
+    """Our params saved by glm5_jax.save_pretrained, sharded into several files."""
+    path = tmp_path_factory.mktemp("ours")
+    params = perturbed_params(tiny_config)
+    glm5_jax.save_pretrained(tiny_config, params, path, max_shard_size="200KB")
+    return path, params
+
+
+def test_our_save_loads_in_transformers_with_same_logits(saved, tiny_config):
+    path, params = saved
+    assert (path / "model.safetensors.index.json").exists()
+    assert len(list(path.glob("model-*.safetensors"))) > 1
+    model, info = GlmMoeDsaForCausalLM.from_pretrained(
+        path, output_loading_info=True, attn_implementation="eager", dtype=torch.float32)
+    mtp_prefix = f"model.layers.{tiny_config.num_layers}."
+    assert not info["missing_keys"], info["missing_keys"]
+    assert all(k.startswith(mtp_prefix) for k in info["unexpected_keys"]), info["unexpected_keys"]
+    assert not info["mismatched_keys"]
+    input_ids = np.random.default_rng(0).integers(0, tiny_config.vocab_size, (2, 21))
+    ours = np.asarray(glm5_jax.forward(tiny_config, params, input_ids))
+    error = np.max(np.abs(ours - reference_logits(model.eval(), input_ids)))
+    print(f"our save -> transformers: max |logit error| = {error:.3g}")
+    assert error <= 1e-4
+
+
+def test_our_save_reloads_exactly(saved, tiny_config):
+    path, params = saved
+    config, loaded = glm5_jax.load_pretrained(path)
+    assert config == tiny_config
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 params, loaded)
+
+
+def test_transformers_save_loads_with_same_logits(tiny_config, tmp_path):
+    config = tiny_config.replace(num_mtp_layers=0)
+    reference = build_reference(config, seed=7)
+    reference.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    loaded_config, params = glm5_jax.load_pretrained(tmp_path)
+    input_ids = np.random.default_rng(1).integers(0, config.vocab_size, (2, 19))
+    error = np.max(np.abs(np.asarray(glm5_jax.forward(loaded_config, params, input_ids))
+                          - reference_logits(reference, input_ids)))
+    assert error <= 1e-4
+
+
+def test_load_with_dtype_override(saved):
+    path, _ = saved
+    config, params = glm5_jax.load_pretrained(path, dtype="bfloat16")
+    assert config.param_dtype == "bfloat16" and config.dtype == "bfloat16"
+    assert params["moe_layers"]["attention"]["q_b_proj"].dtype == np.dtype("bfloat16")
+    assert params["moe_layers"]["moe"]["router"].dtype == np.float32  # router stays float32
+    logits = glm5_jax.forward(config, params, np.zeros((1, 5), np.int32))
+    assert logits.dtype == np.float32 and np.isfinite(np.asarray(logits)).all()
+
+
+def test_names_cover_every_parameter_once(tiny_config):
+    names = checkpoint_names(tiny_config)
+    assert len({n.hf_name for n in names}) == len(names)
+    shapes = glm5_jax.model.param_shapes(tiny_config)
+    covered = {tuple(n.path) for n in names}
+    leaves = {tuple(k.key for k in path) for path, _ in
+              jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    assert covered == leaves
+
+
+# ------------------------------------------------------------------ bad checkpoints
+@pytest.fixture
+def single_file_checkpoint(tmp_path, tiny_config):
+    glm5_jax.save_pretrained(tiny_config, glm5_jax.init_params(tiny_config, 1), tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    return tmp_path
+
+
+def test_missing_shard_file_is_named(saved, tmp_path):
+    path, _ = saved
+    for file in path.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    victim = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=victim.name):
+        glm5_jax.load_pretrained(tmp_path)
+
+
+def test_missing_weights_file(tmp_path, single_file_checkpoint):
+    (single_file_checkpoint / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        glm5_jax.load_pretrained(single_file_checkpoint)
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        glm5_jax.load_pretrained(tmp_path)
+
+
+def _rewrite(path, change):
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_wrong_shape_is_named(single_file_checkpoint):
+    name = "model.layers.2.self_attn.q_b_proj.weight"
+    _rewrite(single_file_checkpoint, lambda t: t.update({name: t[name][:-1]}))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.q_b_proj\.weight"):
+        glm5_jax.load_pretrained(single_file_checkpoint)
+
+
+def test_unexpected_key_is_named(single_file_checkpoint):
+    _rewrite(single_file_checkpoint,
+             lambda t: t.update({"model.layers.1.mlp.surprise.weight": np.zeros(3, np.float32)}))
+    with pytest.raises(CheckpointError, match="surprise"):
+        glm5_jax.load_pretrained(single_file_checkpoint)
+
+
+def test_missing_tensor_is_named(single_file_checkpoint):
+    _rewrite(single_file_checkpoint, lambda t: t.pop("model.layers.3.mlp.experts.5.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"experts\.5\.up_proj"):
+        glm5_jax.load_pretrained(single_file_checkpoint)
+
+
+def test_other_model_type_is_named(single_file_checkpoint):
+    config_path = single_file_checkpoint / "config.json"
+    config = json.loads(config_path.read_text())
+    config["model_type"] = "deepseek_v3"
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="model_type"):
+        glm5_jax.load_pretrained(single_file_checkpoint)
+
+
+def test_resave_replaces_previous_shards(saved, tmp_path, tiny_config):
+    path, params = saved
+    glm5_jax.save_pretrained(tiny_config, params, tmp_path, max_shard_size="200KB")
+    glm5_jax.save_pretrained(tiny_config, params, tmp_path)  # now a single file
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    glm5_jax.load_pretrained(tmp_path)
