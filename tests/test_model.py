@@ -8,7 +8,7 @@ import pytest
 import glm5_jax
 from glm5_jax.config_files import load_model_config
 from glm5_jax.model.layers import apply_rope, rope_angles
-from glm5_jax.model.moe import MoESpec, route, routed_experts
+from glm5_jax.model.moe import MoESpec, route, routed_experts_dense, routed_experts_ragged
 
 
 def closed_form_glm5_counts():
@@ -135,7 +135,8 @@ def test_mtp_logits_shape(tiny_config, tiny_params):
     assert outputs["mtp_logits"].shape == (2, 8, 256)
 
 
-def test_routed_experts_equal_a_per_expert_loop():
+@pytest.mark.parametrize("routed_experts", [routed_experts_ragged, routed_experts_dense])
+def test_routed_experts_equal_a_per_expert_loop(routed_experts):
     rng = np.random.default_rng(7)
     tokens, hidden, inner, experts, top_k = 13, 8, 6, 5, 2
     x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.float32)

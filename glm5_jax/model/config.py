@@ -16,6 +16,8 @@ import jax.numpy as jnp
 
 INDEXER_TYPES = ("full", "shared")
 ATTENTION_TYPES = ("dsa", "sliding_window")
+REMAT_POLICIES = ("none", "full", "save_matmuls")
+MOE_IMPLS = ("ragged", "dense")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -80,7 +82,12 @@ class ModelConfig:
     pad_token_id: int | None = 154820
     dtype: str = "float32"  # compute dtype of activations
     param_dtype: str = "float32"  # storage dtype of weights (router and its bias stay float32)
-    scan_layers: bool = True
+    # Gradient checkpointing of each decoder layer: "none", "full" (recompute everything in the
+    # backward pass) or "save_matmuls" (keep matmul outputs, recompute the rest).
+    remat: str = "none"
+    # Routed-expert computation: "ragged" (tokens sorted by expert, grouped matmul: GPU/TPU) or
+    # "dense" (every expert on every token, weighted: faster on CPUs with few experts).
+    moe_impl: str = "ragged"
 
     # ------------------------------------------------------------------ derived
     @property
@@ -180,6 +187,8 @@ class ModelConfig:
         require(self.num_mtp_layers in (0, 1), "num_mtp_layers", "must be 0 or 1")
         require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}")
         require(self.param_dtype in DTYPES, "param_dtype", f"must be one of {sorted(DTYPES)}")
+        require(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}")
+        require(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
 
         require(len(self.indexer_types) == self.num_layers, "indexer_types",
                 f"needs one entry per layer ({self.num_layers})")

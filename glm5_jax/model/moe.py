@@ -32,6 +32,7 @@ class MoESpec:
     normalize_topk_weights: bool
     routed_scaling_factor: float
     initializer_range: float
+    impl: str = "ragged"  # "ragged" (grouped matmul) or "dense" (all experts; CPU, few experts)
 
 
 def route(x: jax.Array, router: jax.Array, selection_bias: jax.Array, spec: MoESpec):
@@ -58,8 +59,39 @@ def route(x: jax.Array, router: jax.Array, selection_bias: jax.Array, spec: MoES
     return weights * spec.routed_scaling_factor, experts.astype(jnp.int32), scores
 
 
-def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
-                   up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+def sequence_balance_loss(scores: jax.Array, experts: jax.Array, num_experts: int) -> jax.Array:
+    """Sequence-wise auxiliary balance loss (DeepSeek-V3), averaged over sequences.
+
+    scores: [B, T, E] router sigmoids; experts: [B, T, K] chosen experts. Per sequence:
+    sum_e f_e * P_e with f_e = E / (K T) * (tokens routed to e) and P_e the mean normalised
+    score of e. Equals 1 for perfectly uniform routing.
+    """
+    _, length, top_k = experts.shape
+    counts = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=(1, 2))  # [B, E]
+    fraction = counts * num_experts / (top_k * length)
+    probability = (scores / scores.sum(-1, keepdims=True)).mean(axis=1)  # [B, E]
+    return jnp.mean(jnp.sum(fraction * probability, axis=-1))
+
+
+def routed_experts_dense(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
+                         up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+    """Every expert on every token, combined with zero weight for the unchosen ones.
+
+    Same shapes and result as `routed_experts_ragged`; num_experts / top-k times the FLOPs, but
+    plain batched matmuls, which is faster on CPUs and for small expert counts.
+    """
+    num_experts = gate_proj.shape[0]
+    dtype = x.dtype
+    combine = jnp.zeros((x.shape[0], num_experts), jnp.float32)
+    combine = jnp.put_along_axis(combine, experts, weights, axis=-1, inplace=False)  # [T, E]
+    gate = jnp.einsum("TD,EDF->TEF", x, gate_proj.astype(dtype))
+    up = jnp.einsum("TD,EDF->TEF", x, up_proj.astype(dtype))
+    hidden = jax.nn.silu(gate) * up * combine.astype(dtype)[..., None]
+    return jnp.einsum("TEF,EFD->TD", hidden, down_proj.astype(dtype))
+
+
+def routed_experts_ragged(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
+                          up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
     """Runs each token through its chosen experts, dropless.
 
     x: [T, D]; weights, experts: [T, K]; gate/up: [E, D, F]; down: [E, F, D]. Returns [T, D].
@@ -106,10 +138,14 @@ class MoE(nn.Module):
 
         batch, length, _ = x.shape
         tokens = x.reshape(batch * length, hidden)
-        weights, experts, _ = route(tokens, router, selection_bias, spec)
-        self.sow("intermediates", "expert_load",
-                 jnp.bincount(experts.reshape(-1), length=num_experts))
-        y = routed_experts(tokens, weights, experts, gate_proj, up_proj, down_proj)
+        weights, experts, scores = route(tokens, router, selection_bias, spec)
+        load = jnp.bincount(experts.reshape(-1), length=num_experts)
+        self.sow("intermediates", "expert_load", load)
+        self.sow("intermediates", "balance_loss",
+                 sequence_balance_loss(scores.reshape(batch, length, num_experts),
+                                       experts.reshape(batch, length, -1), num_experts))
+        routed = routed_experts_dense if spec.impl == "dense" else routed_experts_ragged
+        y = routed(tokens, weights, experts, gate_proj, up_proj, down_proj)
         y = constrain(y.reshape(batch, length, hidden), ("batch", "length", "embed"))
         if spec.num_shared_experts:
             y = y + MLP(hidden, inner * spec.num_shared_experts, spec.initializer_range,

@@ -45,7 +45,7 @@ def moe_spec(config: ModelConfig) -> MoESpec:
         num_selected_groups=config.num_selected_groups,
         normalize_topk_weights=config.normalize_topk_weights,
         routed_scaling_factor=config.routed_scaling_factor,
-        initializer_range=config.initializer_range)
+        initializer_range=config.initializer_range, impl=config.moe_impl)
 
 
 class DecoderLayer(nn.Module):
@@ -82,6 +82,15 @@ class DecoderLayer(nn.Module):
             x = x + MoE(moe_spec(config), param_dtype, name="moe")(normed)
         x = constrain(x, ("batch", "length", "embed"))
         return (x, indices), None
+
+
+def _maybe_remat(layer_class, policy: str):
+    """Gradient checkpointing of a layer (the articles' activation recomputation)."""
+    if policy == "none":
+        return layer_class
+    saveable = {"full": jax.checkpoint_policies.nothing_saveable,
+                "save_matmuls": jax.checkpoint_policies.dots_saveable}[policy]
+    return nn.remat(layer_class, policy=saveable, prevent_cse=False)
 
 
 def _stack_flags(config: ModelConfig, layers: range):
@@ -147,7 +156,7 @@ class Transformer(nn.Module):
                 continue
             run, sliding, uniform_run, uniform_sliding = _stack_flags(config, layers)
             stack = nn.scan(
-                DecoderLayer,
+                _maybe_remat(DecoderLayer, config.remat),
                 variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, 0, 0),

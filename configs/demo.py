@@ -1,0 +1,83 @@
+"""The embedded default: a ~10M-parameter model with the full GLM-5 structure (MLA, DSA with
+index_topk below the sequence length, a dense prefix, MoE with a shared expert, an MTP head),
+trained on this machine's Python standard-library sources. Runs in minutes on a laptop CPU.
+
+    python train.py --config configs/demo.py
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.model = ml_collections.ConfigDict(dict(
+        vocab_size=4096,
+        hidden_size=256,
+        dense_intermediate_size=768,
+        moe_intermediate_size=256,
+        num_layers=4,
+        num_dense_layers=1,
+        num_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        num_expert_groups=1,
+        num_selected_groups=1,
+        normalize_topk_weights=True,
+        routed_scaling_factor=2.5,
+        index_num_heads=8,
+        index_head_dim=32,
+        index_topk=64,
+        indexer_types=[],
+        attention_types=[],
+        sliding_window=0,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        num_mtp_layers=1,
+        initializer_range=0.02,
+        bos_token_id=None,
+        eos_token_ids=[0],  # "<|endoftext|>", the first special token of the trained tokenizer
+        pad_token_id=0,
+        dtype="float32",  # CPU: float32 compute; use bfloat16 on accelerators
+        param_dtype="float32",
+        remat="none",
+        moe_impl="dense",  # 8 experts on a CPU: plain matmuls beat the grouped matmul
+    ))
+    config.data = ml_collections.ConfigDict(dict(
+        sources=[dict(kind="python_stdlib", name="python_stdlib", weight=1.0)],
+        tokenizer_path="",  # "" trains a byte-level BPE on the sources (cached)
+        vocab_size=4096,
+        cache_dir="~/.cache/glm5_jax",
+        seq_len=256,
+        validation_fraction=0.02,
+        seed=0,
+    ))
+    config.num_train_steps = 250
+    config.batch_size = 8
+    config.grad_accum_steps = 1
+    config.learning_rate = 3e-3
+    config.warmup_steps = 30
+    config.min_learning_rate_ratio = 0.1
+    config.weight_decay = 0.1
+    config.adam_b1 = 0.9
+    config.adam_b2 = 0.95
+    config.adam_eps = 1e-8
+    config.clip_grad_norm = 1.0
+    config.z_loss_weight = 1e-4
+    config.mtp_loss_weight = 0.3
+    config.balance_loss_weight = 0.0
+    config.router_bias_update_rate = 1e-2  # fast enough to balance within a short run
+    config.seed = 0
+    config.log_every = 10
+    config.eval_every = 100
+    config.eval_batches = 8
+    config.checkpoint_every = 100
+    config.keep_checkpoints = 3
+    config.max_bad_steps = 5
+    return config

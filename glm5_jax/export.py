@@ -1,0 +1,35 @@
+"""Export a train.py run to the Hugging Face layout (safetensors + config.json + tokenizer.json).
+
+    python -m glm5_jax.export --workdir runs/demo --output exported/demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from glm5_jax.checkpoint import save_pretrained
+from glm5_jax.runs import load_run
+
+
+def export_run(workdir: str, output: str, max_shard_size: str = "5GB") -> Path:
+    config, params = load_run(workdir)
+    save_pretrained(config, params, output, max_shard_size=max_shard_size)
+    tokenizer = Path(workdir) / "tokenizer.json"
+    if tokenizer.exists():
+        shutil.copyfile(tokenizer, Path(output) / "tokenizer.json")
+    return Path(output)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True, help="train.py run directory")
+    parser.add_argument("--output", required=True, help="directory to write the HF checkpoint to")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 2GB")
+    args = parser.parse_args(argv)
+    print(f"exported to {export_run(args.workdir, args.output, args.max_shard_size)}")
+
+
+if __name__ == "__main__":
+    main()

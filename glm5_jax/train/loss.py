@@ -1,0 +1,80 @@
+"""Training objectives: next-token cross-entropy (+ z-loss), the MTP loss, MoE balance loss.
+
+Rows are packed documents: a target exists at position t only when the token `offset` ahead
+belongs to the same document (segment id, 0 = padding).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def shifted_targets(input_ids: jax.Array, segment_ids: jax.Array, offset: int):
+    """Targets `offset` tokens ahead and their 0/1 weights.
+
+    input_ids, segment_ids: [B, T] -> (targets [B, T - offset] int32, weights [B, T - offset] f32).
+    """
+    targets = input_ids[:, offset:]
+    same_document = (segment_ids[:, offset:] == segment_ids[:, :-offset]) & (segment_ids[:, :-offset] > 0)
+    return targets.astype(jnp.int32), same_document.astype(jnp.float32)
+
+
+def token_cross_entropy(logits: jax.Array, targets: jax.Array):
+    """Per-token cross-entropy and log-partition. logits: [B, T, V] f32; targets: [B, T].
+
+    Returns (nats [B, T], logsumexp [B, T]).
+    """
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return log_normalizer - target_logits, log_normalizer
+
+
+def language_model_losses(outputs, input_ids, segment_ids, *, z_loss_weight: float,
+                          mtp_loss_weight: float, balance_loss_weight: float):
+    """The total loss and its parts from `apply_model(..., with_mtp, collect_intermediates)`.
+
+    Returns (loss scalar, metrics dict of scalars, with sums so microbatches add up).
+    """
+    targets, weights = shifted_targets(input_ids, segment_ids, 1)
+    nats, log_normalizer = token_cross_entropy(outputs["logits"][:, :-1], targets)
+    num_tokens = jnp.maximum(weights.sum(), 1.0)
+    cross_entropy = jnp.sum(nats * weights) / num_tokens
+    z_loss = jnp.sum(jnp.square(log_normalizer) * weights) / num_tokens
+    loss = cross_entropy + z_loss_weight * z_loss
+    metrics = {"cross_entropy": cross_entropy, "z_loss": z_loss, "target_tokens": weights.sum()}
+
+    if "mtp_logits" in outputs:
+        mtp_targets, mtp_weights = shifted_targets(input_ids, segment_ids, 2)
+        mtp_nats, _ = token_cross_entropy(outputs["mtp_logits"][:, :-1], mtp_targets)
+        mtp_loss = jnp.sum(mtp_nats * mtp_weights) / jnp.maximum(mtp_weights.sum(), 1.0)
+        loss = loss + mtp_loss_weight * mtp_loss
+        metrics["mtp_loss"] = mtp_loss
+
+    balance = [jnp.sum(leaf) for path, leaf in _intermediates(outputs.get("intermediates", {}))
+               if path[-1] == "balance_loss"]
+    if balance:
+        balance_loss = sum(balance)
+        loss = loss + balance_loss_weight * balance_loss
+        metrics["balance_loss"] = balance_loss
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def _intermediates(tree, path=()):
+    """(path, array) for every sown value (Flax stores each as a 1-tuple)."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _intermediates(value, path + (key,))
+    elif isinstance(tree, tuple):
+        for value in tree:
+            yield path, value
+
+
+def expert_loads(intermediates) -> dict[str, jax.Array]:
+    """Tokens routed to each expert: {"moe_layers": [L, E], "mtp": [E]} (whichever exist)."""
+    loads = {}
+    for path, value in _intermediates(intermediates):
+        if path[-1] == "expert_load":
+            loads[path[0]] = value
+    return loads

@@ -1,0 +1,66 @@
+"""Training settings: the top-level fields of a training config file, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from glm5_jax.model.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    num_train_steps: int = 1000
+    batch_size: int = 16  # rows per optimizer step (all microbatches together)
+    grad_accum_steps: int = 1  # microbatches per step; batch_size must divide evenly
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    min_learning_rate_ratio: float = 0.1  # cosine decays to learning_rate * this
+    weight_decay: float = 0.1  # not applied to norms, biases or the router bias
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad_norm: float = 1.0
+    z_loss_weight: float = 1e-4
+    mtp_loss_weight: float = 0.3
+    balance_loss_weight: float = 0.0  # optional sequence-level auxiliary loss
+    router_bias_update_rate: float = 1e-3  # aux-loss-free balancing; 0 disables
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    max_bad_steps: int = 5  # consecutive NaN/Inf steps before stopping
+
+    @classmethod
+    def from_config(cls, config) -> TrainSettings:
+        """Takes this class's fields from a config (ConfigDict); other sections are ignored."""
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            if field.name in config:
+                values[field.name] = config[field.name]
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        def require(condition: bool, field: str, message: str) -> None:
+            if not condition:
+                raise ConfigError(f"{field}: {message} (got {getattr(self, field)!r})")
+
+        for field in ("num_train_steps", "batch_size", "grad_accum_steps", "log_every",
+                      "eval_every", "checkpoint_every", "keep_checkpoints", "max_bad_steps"):
+            value = getattr(self, field)
+            require(isinstance(value, int) and value >= 1, field, "must be a positive integer")
+        require(self.batch_size % self.grad_accum_steps == 0, "grad_accum_steps",
+                f"must divide batch_size={self.batch_size}")
+        require(self.learning_rate > 0, "learning_rate", "must be > 0")
+        require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        require(0 <= self.min_learning_rate_ratio <= 1, "min_learning_rate_ratio", "must be in [0, 1]")
+        require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        require(0 <= self.adam_b1 < 1 and 0 <= self.adam_b2 < 1, "adam_b1", "betas must be in [0, 1)")
+        require(self.clip_grad_norm > 0, "clip_grad_norm", "must be > 0")
+        for field in ("z_loss_weight", "mtp_loss_weight", "balance_loss_weight",
+                      "router_bias_update_rate", "eval_batches"):
+            require(getattr(self, field) >= 0, field, "must be >= 0")

@@ -1,0 +1,130 @@
+"""The jitted train and eval steps.
+
+One train step: gradients accumulated over microbatches (lax.scan), an AdamW update, the
+aux-loss-free router balancing (selection bias += rate * sign(mean load - expert load), outside
+the gradient), and a NaN/Inf guard that keeps the previous state when the loss or the gradient
+norm is not finite.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.transformer import apply_model
+from glm5_jax.train.loss import expert_loads, language_model_losses, shifted_targets, token_cross_entropy
+from glm5_jax.train.settings import TrainSettings
+
+Batch = dict[str, jax.Array]  # input_ids, segment_ids, positions: [B, T] int32
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps attempted (skipped ones included)
+    params: Any
+    opt_state: Any
+
+
+def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def update_router_bias(params, loads: dict[str, jax.Array], rate: float):
+    """Aux-loss-free balancing: raise the selection bias of under-loaded experts, lower it for
+    over-loaded ones. loads: {"moe_layers": [L, E], "mtp": [E]} token counts."""
+    if rate == 0.0:
+        return params
+    params = dict(params)
+    locations = {"moe_layers": ("moe_layers", "moe"), "mtp": ("mtp", "layer", "moe")}
+    for name, load in loads.items():
+        path = locations[name]
+        node = params
+        parents = []
+        for key in path:
+            parents.append(node)
+            node = node[key]
+        load = load.astype(jnp.float32)
+        bias = node["router_bias"] + rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+        updated = {**node, "router_bias": bias}
+        for parent, key in zip(reversed(parents), reversed(path), strict=True):
+            updated = {**parent, key: updated}
+        params = updated
+    return params
+
+
+def _split_microbatches(batch: Batch, count: int) -> Batch:
+    """[B, T] -> [count, B / count, T] for every field."""
+    return jax.tree.map(lambda x: x.reshape((count, x.shape[0] // count) + x.shape[1:]), batch)
+
+
+def make_train_step(config: ModelConfig, settings: TrainSettings,
+                    optimizer: optax.GradientTransformation):
+    """Returns train_step(state, batch) -> (state, metrics), jitted (state donated)."""
+
+    def loss_fn(params, micro: Batch):
+        outputs = apply_model(config, params, micro["input_ids"], micro["positions"],
+                              micro["segment_ids"], with_mtp=bool(config.num_mtp_layers),
+                              collect_intermediates=True)
+        loss, metrics = language_model_losses(
+            outputs, micro["input_ids"], micro["segment_ids"],
+            z_loss_weight=settings.z_loss_weight, mtp_loss_weight=settings.mtp_loss_weight,
+            balance_loss_weight=settings.balance_loss_weight)
+        return loss, (metrics, expert_loads(outputs["intermediates"]))
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state: TrainState, batch: Batch):
+        micro = _split_microbatches(batch, settings.grad_accum_steps)
+
+        def accumulate(totals, one):
+            (_, (metrics, loads)), grads = grad_fn(state.params, one)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # accumulate in f32
+            return jax.tree.map(jnp.add, totals, (grads, metrics, loads)), None
+
+        first = jax.tree.map(lambda x: x[0], micro)
+        _, (metric_shapes, load_shapes) = jax.eval_shape(loss_fn, state.params, first)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (metric_shapes, load_shapes))
+        grad_zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        (grads, metrics, loads), _ = jax.lax.scan(accumulate, (grad_zeros, *zeros), micro)
+        scale = 1.0 / settings.grad_accum_steps
+        grads = jax.tree.map(lambda g: g * scale, grads)
+        metrics = {k: (v if k == "target_tokens" else v * scale) for k, v in metrics.items()}
+
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        params = update_router_bias(params, loads, settings.router_bias_update_rate)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
+                               opt_state=keep(opt_state, state.opt_state))
+        metrics = {**metrics, "grad_norm": grad_norm, "finite": finite,
+                   **{f"expert_load/{k}": v for k, v in loads.items()}}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(config: ModelConfig, token_bytes: jax.Array):
+    """Returns eval_step(params, batch) -> {"nats", "tokens", "bytes"} sums (jitted).
+
+    token_bytes: [vocab] UTF-8 bytes per token id, for bits per byte.
+    """
+
+    @jax.jit
+    def eval_step(params, batch: Batch):
+        logits = apply_model(config, params, batch["input_ids"], batch["positions"],
+                             batch["segment_ids"])["logits"]
+        targets, weights = shifted_targets(batch["input_ids"], batch["segment_ids"], 1)
+        nats, _ = token_cross_entropy(logits[:, :-1], targets)
+        return {"nats": jnp.sum(nats * weights), "tokens": jnp.sum(weights),
+                "bytes": jnp.sum(token_bytes[targets] * weights)}
+
+    return eval_step

@@ -1,0 +1,206 @@
+"""Train a GLM-5-architecture model.
+
+    python train.py --config configs/demo.py [--workdir runs/demo] [--config.<field>=<value> ...]
+
+The config file's `get_config()` returns an ml_collections ConfigDict with three parts:
+  model.*      the architecture (see glm5_jax/model/config.py; e.g. --config.model.num_layers=6)
+  data.*       sources (python_stdlib | files | jsonl, with weights), tokenizer_path ("" trains a
+               byte-level BPE of data.vocab_size on the sources, cached in data.cache_dir, or
+               in the workdir when cache_dir is ""),
+               seq_len, validation_fraction, seed
+  top level    num_train_steps (run length), batch_size, grad_accum_steps, learning_rate,
+               warmup_steps, min_learning_rate_ratio, weight_decay, adam_b1/b2/eps,
+               clip_grad_norm, z_loss_weight, mtp_loss_weight, balance_loss_weight,
+               router_bias_update_rate, log_every, eval_every, eval_batches, checkpoint_every,
+               keep_checkpoints, max_bad_steps, seed
+The workdir (default runs/<config name>) receives checkpoints/, metrics.jsonl, tokenizer.json
+and run_config.json. Re-running the same command resumes from the latest checkpoint.
+SIGTERM or Ctrl-C saves a checkpoint and exits; SIGKILL never corrupts the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+from tqdm import tqdm
+
+from glm5_jax import data as data_lib
+from glm5_jax.model import ConfigError, ModelConfig, init_params
+from glm5_jax.model.count import count_params
+from glm5_jax.train.checkpoints import RunCheckpoints
+from glm5_jax.train.metrics import MetricsLog
+from glm5_jax.train.optimizer import learning_rate_schedule, make_optimizer
+from glm5_jax.train.settings import TrainSettings
+from glm5_jax.train.step import init_train_state, make_eval_step, make_train_step
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/demo.py", "Training config file (a Python file with get_config()).")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory for checkpoints and metrics (default: runs/<config name>).")
+
+
+class StopRequested:
+    """Turns SIGTERM / SIGINT into a flag the loop checks between steps."""
+
+    def __init__(self):
+        self.signal_name = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        del frame
+        if self.signal_name is not None:  # second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
+
+def prepare_workdir(path: str) -> Path:
+    workdir = Path(path)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise SystemExit(f"error: run directory {workdir} is not writable ({error})") from None
+    return workdir
+
+
+def evaluate(eval_step, params, batches) -> dict[str, float]:
+    totals = {"nats": 0.0, "tokens": 0.0, "bytes": 0.0}
+    for batch in batches:
+        for key, value in eval_step(params, batch).items():
+            totals[key] += float(value)
+    loss = totals["nats"] / max(totals["tokens"], 1.0)
+    return {"val_loss": loss, "val_bpb": totals["nats"] / (math.log(2) * max(totals["bytes"], 1.0))}
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax reports every file it writes at INFO
+    # ---------------------------------------------------------------- config
+    config = _CONFIG.value
+    config_name = Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem
+    try:
+        model_config = ModelConfig.from_dict(config.model)
+        settings = TrainSettings.from_config(config)
+        sources = [data_lib.source_spec_from_dict(dict(s)) for s in config.data.sources]
+    except (ConfigError, ValueError) as error:
+        raise SystemExit(f"error: bad config: {error}") from None
+    workdir = prepare_workdir(_WORKDIR.value or f"runs/{config_name}")
+    run_config = config.to_dict()
+    (workdir / "run_config.json").write_text(json.dumps(run_config, indent=2))
+
+    # ---------------------------------------------------------------- tokenizer and data
+    try:
+        tokenizer = data_lib.load_or_train_tokenizer(
+            config.data.tokenizer_path or None, sources, config.data.vocab_size,
+            str(Path(config.data.cache_dir).expanduser()) if config.data.cache_dir else str(workdir))
+        data_lib.check_vocab_fits(tokenizer, model_config.vocab_size)
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    tokenizer.save(str(workdir / "tokenizer.json"))
+    data_options = dict(seq_len=config.data.seq_len, seed=config.data.seed,
+                        validation_fraction=config.data.validation_fraction)
+    train_batches = data_lib.make_train_iterator(
+        sources, tokenizer, batch_size=settings.batch_size,
+        shard_index=jax.process_index(), shard_count=jax.process_count(), **data_options)
+    validation_batches = data_lib.make_validation_batches(
+        sources, tokenizer, batch_size=settings.batch_size, max_batches=settings.eval_batches,
+        **data_options)
+    token_bytes = jnp.asarray(data_lib.token_byte_lengths(tokenizer), jnp.float32)
+    token_bytes = jnp.pad(token_bytes, (0, max(model_config.vocab_size - token_bytes.shape[0], 0)))
+
+    # ---------------------------------------------------------------- model, optimizer, state
+    optimizer = make_optimizer(settings)
+    checkpoints = RunCheckpoints(workdir, settings.keep_checkpoints, settings.checkpoint_every)
+    resume_step = checkpoints.latest_step()
+    make_state = lambda: init_train_state(init_params(model_config, settings.seed), optimizer)  # noqa: E731
+    if resume_step is None:
+        state = make_state()
+    else:
+        state, data_state, _ = checkpoints.restore(resume_step, jax.eval_shape(make_state))
+        train_batches.set_state(data_state)
+    counts = count_params(model_config)
+    print(f"model: {counts['total'] / 1e6:.1f}M params ({counts['active'] / 1e6:.1f}M active, "
+          f"MTP {counts['mtp'] / 1e6:.1f}M); tokenizer vocab {tokenizer.get_vocab_size()}; "
+          f"workdir {workdir}" + (f"; resuming at step {resume_step}" if resume_step else ""),
+          flush=True)
+    train_step = make_train_step(model_config, settings, optimizer)
+    eval_step = make_eval_step(model_config, token_bytes)
+    schedule = learning_rate_schedule(settings)
+    metrics_log = MetricsLog(workdir, resume_step)
+
+    # ---------------------------------------------------------------- loop
+    stop = StopRequested()
+    step = int(state.step)
+    if step == 0:
+        metrics_log.write(0, evaluate(eval_step, state.params, validation_batches))
+    tokens_per_step = settings.batch_size * config.data.seq_len
+    bad_steps = 0
+    progress = tqdm(total=settings.num_train_steps, initial=step, unit="step", dynamic_ncols=True,
+                    mininterval=1.0, file=sys.stdout)
+    while step < settings.num_train_steps and stop.signal_name is None:
+        started = time.perf_counter()
+        batch = next(train_batches)
+        state, metrics = train_step(state, batch)
+        step += 1
+        loss = float(metrics["loss"])  # waits for the step: the timing below is honest
+        seconds = time.perf_counter() - started
+        if not bool(metrics["finite"]):
+            bad_steps += 1
+            tqdm.write(f"step {step}: non-finite loss or gradient; update skipped "
+                       f"({bad_steps}/{settings.max_bad_steps} in a row)")
+            metrics_log.write(step, {"loss": loss, "skipped": True})
+            if bad_steps >= settings.max_bad_steps:
+                checkpoints.close()
+                raise SystemExit(f"error: stopping after {bad_steps} consecutive non-finite steps "
+                                 f"(step {step}); lower learning_rate or check the data/config")
+            progress.update(1)
+            continue
+        bad_steps = 0
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}",
+                             step_s=f"{seconds:.2f}")
+        if step % settings.log_every == 0 or step == settings.num_train_steps:
+            record = {key: metrics[key] for key in ("loss", "cross_entropy", "z_loss", "mtp_loss",
+                                                    "balance_loss", "grad_norm") if key in metrics}
+            load = np.asarray(metrics.get("expert_load/moe_layers", np.zeros((1, 1))), np.float64)
+            record.update(learning_rate=schedule(step - 1), tokens_per_second=tokens_per_step / seconds,
+                          step_seconds=seconds,
+                          expert_load_max_over_mean=float(load.max() / max(load.mean(), 1e-9)),
+                          expert_load=load.astype(int).tolist())
+            metrics_log.write(step, record)
+        if step % settings.eval_every == 0 or step == settings.num_train_steps:
+            evaluation = evaluate(eval_step, state.params, validation_batches)
+            metrics_log.write(step, evaluation)
+            tqdm.write(f"step {step}: val_loss {evaluation['val_loss']:.4f} "
+                       f"val_bpb {evaluation['val_bpb']:.4f}")
+        if checkpoints.due(step) or step == settings.num_train_steps:
+            checkpoints.save(step, state, train_batches.get_state(), run_config)
+    progress.close()
+
+    # ---------------------------------------------------------------- finish
+    if stop.signal_name is not None and checkpoints.latest_step() != step:
+        checkpoints.save(step, state, train_batches.get_state(), run_config)
+    checkpoints.close()
+    metrics_log.close()
+    if stop.signal_name is not None:
+        print(f"{stop.signal_name}: saved checkpoint at step {step} in {workdir}; "
+              "run the same command to resume.")
+    else:
+        print(f"done: {step} steps; checkpoints in {checkpoints.directory}")
+
+
+if __name__ == "__main__":
+    app.run(main)
