@@ -148,6 +148,7 @@ def main(argv):
         metrics_log.write(0, evaluate(eval_step, state.params, validation_batches))
     tokens_per_step = settings.batch_size * config.data.seq_len
     bad_steps = 0
+    last_saved = resume_step
     progress = tqdm(total=settings.num_train_steps, initial=step, unit="step", dynamic_ncols=True,
                     mininterval=1.0, file=sys.stdout)
     while step < settings.num_train_steps and stop.signal_name is None:
@@ -188,10 +189,11 @@ def main(argv):
                        f"val_bpb {evaluation['val_bpb']:.4f}")
         if checkpoints.due(step) or step == settings.num_train_steps:
             checkpoints.save(step, state, train_batches.get_state(), run_config)
+            last_saved = step
     progress.close()
 
     # ---------------------------------------------------------------- finish
-    if stop.signal_name is not None and checkpoints.latest_step() != step:
+    if stop.signal_name is not None and last_saved != step:
         checkpoints.save(step, state, train_batches.get_state(), run_config)
     checkpoints.close()
     metrics_log.close()

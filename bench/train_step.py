@@ -18,13 +18,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from reference import hf_config  # noqa: E402
+
 import glm5_jax  # noqa: E402
 from glm5_jax.config_files import load_config_file  # noqa: E402
 from glm5_jax.model import ModelConfig  # noqa: E402
 from glm5_jax.train.optimizer import make_optimizer  # noqa: E402
 from glm5_jax.train.settings import TrainSettings  # noqa: E402
 from glm5_jax.train.step import init_train_state, make_train_step  # noqa: E402
-from reference import hf_config  # noqa: E402
 
 
 def time_ours(config, settings, batch, steps) -> float:
@@ -82,12 +83,14 @@ def main():
     batch = dict(input_ids=ids.astype(np.int32), segment_ids=np.ones_like(ids, np.int32),
                  positions=np.broadcast_to(np.arange(seq_len), ids.shape).astype(np.int32))
     tokens = args.batch_size * seq_len
+    millions = glm5_jax.count_params(base)["total"] / 1e6
     print(f"jax {jax.__version__} / torch {torch.__version__}, {torch.get_num_threads()} torch "
-          f"threads; batch {args.batch_size} x {seq_len}; {glm5_jax.count_params(base)['total'] / 1e6:.1f}M params")
+          f"threads; batch {args.batch_size} x {seq_len}; {millions:.1f}M params")
     torch_seconds = time_transformers(base, settings, batch, args.steps)
     print("| implementation | s/step | tokens/s | vs transformers |")
     print("|---|---|---|---|")
-    print(f"| transformers 5.24 + torch (eager, sdpa) | {torch_seconds:.3f} | {tokens / torch_seconds:,.0f} | 1.00x |")
+    print(f"| transformers 5.24 + torch (eager, sdpa) | {torch_seconds:.3f} | "
+          f"{tokens / torch_seconds:,.0f} | 1.00x |")
     for impl in ("dense", "ragged"):
         seconds = time_ours(base.replace(moe_impl=impl), settings, batch, args.steps)
         print(f"| glm5_jax jit, moe_impl={impl} | {seconds:.3f} | {tokens / seconds:,.0f} | "

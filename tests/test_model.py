@@ -1,5 +1,7 @@
 """Model behaviour: parameter counts, packed documents, DSA/sliding-window masks, MoE, RoPE."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,13 @@ import pytest
 import glm5_jax
 from glm5_jax.config_files import load_model_config
 from glm5_jax.model.layers import apply_rope, rope_angles
-from glm5_jax.model.moe import MoESpec, route, routed_experts_dense, routed_experts_ragged
+from glm5_jax.model.moe import (
+    MoESpec,
+    route,
+    routed_experts_blocked,
+    routed_experts_dense,
+    routed_experts_ragged,
+)
 
 
 def closed_form_glm5_counts():
@@ -135,7 +143,9 @@ def test_mtp_logits_shape(tiny_config, tiny_params):
     assert outputs["mtp_logits"].shape == (2, 8, 256)
 
 
-@pytest.mark.parametrize("routed_experts", [routed_experts_ragged, routed_experts_dense])
+@pytest.mark.parametrize("routed_experts", [
+    routed_experts_ragged, routed_experts_dense, routed_experts_blocked,
+    functools.partial(routed_experts_blocked, block_rows=4)])
 def test_routed_experts_equal_a_per_expert_loop(routed_experts):
     rng = np.random.default_rng(7)
     tokens, hidden, inner, experts, top_k = 13, 8, 6, 5, 2
@@ -185,3 +195,23 @@ def test_interleaved_rope_is_a_complex_rotation():
     z = (x[..., 0::2] + 1j * x[..., 1::2]) * np.exp(1j * positions[0, :, None, None] * inv_freq)
     np.testing.assert_allclose(rotated[..., :4], z.real, atol=1e-5)
     np.testing.assert_allclose(rotated[..., 4:], z.imag, atol=1e-5)
+
+
+def test_expert_paths_have_equal_gradients():
+    rng = np.random.default_rng(9)
+    tokens, hidden, inner, experts, top_k = 11, 6, 5, 4, 2
+    x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.float32)
+    gate, up = (jnp.asarray(rng.normal(size=(experts, hidden, inner)), jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(experts, inner, hidden)), jnp.float32)
+    chosen = jnp.asarray(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]),
+                         jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(tokens, top_k)), jnp.float32)
+
+    def grads(routed):
+        loss = lambda *args: jnp.sum(jnp.sin(routed(args[0], args[1], chosen, *args[2:])))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, weights, gate, up, down)
+
+    expected = grads(routed_experts_dense)
+    for routed in (routed_experts_ragged, functools.partial(routed_experts_blocked, block_rows=4)):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+                     grads(routed), expected)

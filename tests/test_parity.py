@@ -18,6 +18,7 @@ from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
 import glm5_jax
 from glm5_jax.model import indexer_pattern
+from glm5_jax.model.transformer import sown_values
 
 MAX_LOGIT_ERROR = 1e-4
 MIN_SELECTION_GAP = 1e-5  # far above float32 score differences between implementations
@@ -32,17 +33,7 @@ VARIANTS = {
 
 
 def selection_gaps(intermediates) -> list[float]:
-    return [float(np.min(leaf)) for path, leaf in _leaves(intermediates)
-            if path[-1] == "selection_gap"]
-
-
-def _leaves(tree, path=()):
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from _leaves(value, path + (key,))
-    elif isinstance(tree, tuple):
-        for value in tree:
-            yield path, np.asarray(value)
+    return [float(np.min(value)) for _, value in sown_values(intermediates, "selection_gap")]
 
 
 def check_parity(config, tmp_path, seq_len=24, batch=2, seed=1):

@@ -9,6 +9,7 @@ error names the offending field. Field names are spelled out; the mapping to Hug
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,12 +18,18 @@ import jax.numpy as jnp
 INDEXER_TYPES = ("full", "shared")
 ATTENTION_TYPES = ("dsa", "sliding_window")
 REMAT_POLICIES = ("none", "full", "save_matmuls")
-MOE_IMPLS = ("ragged", "dense")
+MOE_IMPLS = ("ragged", "blocked", "dense")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 class ConfigError(ValueError):
     """A configuration field has an invalid value; the message names the field."""
+
+
+def check_field(config, condition: bool, field: str, message: str) -> None:
+    """Raises ConfigError naming `field` (and its value in `config`) unless `condition`."""
+    if not condition:
+        raise ConfigError(f"{field}: {message} (got {getattr(config, field)!r})")
 
 
 def indexer_pattern(num_layers: int, frequency: int = 1, offset: int = 2) -> tuple[str, ...]:
@@ -85,8 +92,9 @@ class ModelConfig:
     # Gradient checkpointing of each decoder layer: "none", "full" (recompute everything in the
     # backward pass) or "save_matmuls" (keep matmul outputs, recompute the rest).
     remat: str = "none"
-    # Routed-expert computation: "ragged" (tokens sorted by expert, grouped matmul: GPU/TPU) or
-    # "dense" (every expert on every token, weighted: faster on CPUs with few experts).
+    # Routed-expert computation, all dropless and equal: "ragged" (tokens sorted by expert,
+    # lax.ragged_dot: GPU/TPU), "blocked" (sorted rows padded into per-expert blocks, batched
+    # matmuls: fast on CPUs) or "dense" (every expert on every token, weighted).
     moe_impl: str = "ragged"
 
     # ------------------------------------------------------------------ derived
@@ -147,10 +155,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raises ConfigError naming the first invalid field."""
-
-        def require(condition: bool, field: str, message: str) -> None:
-            if not condition:
-                raise ConfigError(f"{field}: {message} (got {getattr(self, field)!r})")
+        require = functools.partial(check_field, self)
 
         for field in (
             "vocab_size", "hidden_size", "dense_intermediate_size", "moe_intermediate_size",

@@ -50,6 +50,33 @@ def selection_mask(topk_indices: jax.Array, num_keys: int) -> jax.Array:
     return jnp.put_along_axis(empty, topk_indices, True, axis=-1, inplace=False)
 
 
+def indexer_queries(q_latent, cos, sin, wq_b, rope_dim: int) -> jax.Array:
+    """q_latent: [B, T, R]; wq_b: [R, M, H] -> rotated indexer queries [B, T, M, H].
+    The rope slice comes first in the indexer (unlike MLA, where it comes last)."""
+    q = jnp.einsum("BTR,RMH->BTMH", q_latent, wq_b.astype(q_latent.dtype))
+    return jnp.concatenate([apply_rope(q[..., :rope_dim], cos, sin), q[..., rope_dim:]], axis=-1)
+
+
+def indexer_keys(x, cos, sin, wk, k_norm_scale, k_norm_bias, rope_dim: int, eps: float) -> jax.Array:
+    """x: [B, S, D]; wk: [D, H] -> rotated, layer-normed indexer keys [B, S, H] (what a cache keeps)."""
+    k = layer_norm(jnp.einsum("BSD,DH->BSH", x, wk.astype(x.dtype)), k_norm_scale, k_norm_bias, eps)
+    return jnp.concatenate([apply_rope(k[..., :rope_dim], cos, sin), k[..., rope_dim:]], axis=-1)
+
+
+def combine_index_scores(x, queries, keys, weights_proj) -> jax.Array:
+    """I[b, t, s] = sum_m w_m(t) ReLU(q_m(t) . k(s) / sqrt(H)), float32.
+
+    x: [B, T, D] (for the head weights w = x Wiw / sqrt(M)); queries: [B, T, M, H];
+    keys: [B, S, H]; weights_proj: [D, M]. Returns [B, T, S].
+    """
+    num_index_heads, index_head_dim = queries.shape[-2:]
+    scores = jnp.einsum("BTMH,BSH->BTMS", queries.astype(jnp.float32), keys.astype(jnp.float32))
+    scores = jax.nn.relu(scores * index_head_dim**-0.5)
+    head_weights = jnp.einsum("BTD,DM->BTM", x.astype(jnp.float32),
+                              weights_proj.astype(jnp.float32)) * num_index_heads**-0.5
+    return jnp.einsum("BTM,BTMS->BTS", head_weights, scores)
+
+
 def indexer_scores(x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array,
                    wq_b: jax.Array, wk: jax.Array, k_norm_scale: jax.Array,
                    k_norm_bias: jax.Array, weights_proj: jax.Array, *, rope_dim: int,
@@ -60,18 +87,9 @@ def indexer_scores(x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.A
     cos, sin: [B, T, rope_dim/2]; wq_b: [R, M, H]; wk: [D, H]; k_norm_*: [H];
     weights_proj: [D, M]. Returns [B, T, S=T].
     """
-    num_index_heads, index_head_dim = wq_b.shape[1:]
-    q = jnp.einsum("BTR,RMH->BTMH", q_latent, wq_b.astype(q_latent.dtype))
-    k = layer_norm(jnp.einsum("BSD,DH->BSH", x, wk.astype(x.dtype)), k_norm_scale, k_norm_bias,
-                   norm_eps)
-    # The rope slice comes first in the indexer (unlike MLA, where it comes last).
-    q = jnp.concatenate([apply_rope(q[..., :rope_dim], cos, sin), q[..., rope_dim:]], axis=-1)
-    k = jnp.concatenate([apply_rope(k[..., :rope_dim], cos, sin), k[..., rope_dim:]], axis=-1)
-    scores = jnp.einsum("BTMH,BSH->BTMS", q.astype(jnp.float32), k.astype(jnp.float32))
-    scores = jax.nn.relu(scores * index_head_dim**-0.5)
-    head_weights = jnp.einsum("BTD,DM->BTM", x.astype(jnp.float32),
-                              weights_proj.astype(jnp.float32)) * num_index_heads**-0.5
-    return jnp.einsum("BTM,BTMS->BTS", head_weights, scores)
+    queries = indexer_queries(q_latent, cos, sin, wq_b, rope_dim)
+    keys = indexer_keys(x, cos, sin, wk, k_norm_scale, k_norm_bias, rope_dim, norm_eps)
+    return combine_index_scores(x, queries, keys, weights_proj)
 
 
 def select_topk(scores: jax.Array, allowed: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:

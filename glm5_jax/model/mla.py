@@ -67,6 +67,48 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, allowed: jax.Arra
     return jnp.einsum("BNTS,BSNH->BTNH", probs, value)
 
 
+def query_path(x, q_a_proj, q_a_norm, q_b_proj, eps: float, nope_dim: int):
+    """x: [B, T, D] -> (q_latent [B, T, Rq] normalised, q_nope [B, T, N, nope], q_rope [B, T, N, rope]
+    not yet rotated). Weights: q_a_proj [D, Rq], q_a_norm [Rq], q_b_proj [Rq, N, nope + rope]."""
+    q_latent = rms_norm(x @ q_a_proj, q_a_norm, eps)
+    query = jnp.einsum("BTR,RNH->BTNH", q_latent, q_b_proj)
+    return q_latent, query[..., :nope_dim], query[..., nope_dim:]
+
+
+def kv_latent(x, kv_a_proj, kv_a_norm, kv_lora_rank: int, eps: float):
+    """x: [B, S, D] -> (latent [B, S, Rkv] normalised, k_rope [B, S, rope] not yet rotated): the
+    per-token quantities a decode cache keeps. kv_a_proj: [D, Rkv + rope]; kv_a_norm: [Rkv]."""
+    compressed = x @ kv_a_proj
+    return rms_norm(compressed[..., :kv_lora_rank], kv_a_norm, eps), compressed[..., kv_lora_rank:]
+
+
+def expand_latent(latent, k_rope, kv_b_proj, nope_dim: int):
+    """Per-head keys and values from the latent. latent: [B, S, Rkv]; k_rope: [B, S, rope] (rotated);
+    kv_b_proj: [Rkv, N, nope + Hv]. Returns (key [B, S, N, nope + rope], value [B, S, N, Hv])."""
+    kv = jnp.einsum("BSR,RNH->BSNH", latent, kv_b_proj)
+    k_nope, value = kv[..., :nope_dim], kv[..., nope_dim:]
+    k_rope = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + k_rope.shape[-1:])
+    return jnp.concatenate([k_nope, k_rope], axis=-1), value
+
+
+def absorbed_attention(q_nope, q_rope, latent, k_rope, kv_b_proj, allowed):
+    """Attention computed on the latent cache with Wkvb folded into the query and the output.
+
+    q_nope: [B, T, N, nope]; q_rope: [B, T, N, rope] (rotated); latent: [B, S, Rkv];
+    k_rope: [B, S, rope] (rotated); kv_b_proj: [Rkv, N, nope + Hv]; allowed: bool [B, T, S].
+    Returns [B, T, N, Hv], equal to `attend` on `expand_latent`'s keys and values.
+    """
+    nope_dim = q_nope.shape[-1]
+    scale = (nope_dim + q_rope.shape[-1]) ** -0.5
+    q_absorbed = jnp.einsum("BTNH,RNH->BTNR", q_nope, kv_b_proj[..., :nope_dim])  # [B, T, N, Rkv]
+    logits = (jnp.einsum("BTNR,BSR->BNTS", q_absorbed, latent, preferred_element_type=jnp.float32)
+              + jnp.einsum("BTNH,BSH->BNTS", q_rope, k_rope, preferred_element_type=jnp.float32))
+    logits = jnp.where(allowed[:, None], logits * scale, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(latent.dtype)
+    context = jnp.einsum("BNTS,BSR->BTNR", probs, latent)  # [B, T, N, Rkv]
+    return jnp.einsum("BTNR,RNH->BTNH", context, kv_b_proj[..., nope_dim:])
+
+
 class MLAttention(nn.Module):
     spec: AttentionSpec
     param_dtype: jnp.dtype = jnp.float32
@@ -98,27 +140,15 @@ class MLAttention(nn.Module):
         o_proj = weight("o_proj", (heads, spec.v_head_dim, spec.hidden_size),
                         ("heads", "head_dim", "embed"))
 
-        # Query path.
-        q_latent = rms_norm(x @ q_a_proj, q_a_norm, spec.latent_norm_eps)  # [B, T, Rq]
-        query = jnp.einsum("BTR,RNH->BTNH", q_latent, q_b_proj)
-        query = constrain(query, ("batch", "length", "heads", "head_dim"))
-        q_nope, q_rope = jnp.split(query, [spec.qk_nope_head_dim], axis=-1)
-
-        # KV path: one normalised latent and one rope key per token, shared by all heads.
-        compressed = x @ kv_a_proj  # [B, S, Rkv + rope]
-        latent = rms_norm(compressed[..., : spec.kv_lora_rank], kv_a_norm, spec.latent_norm_eps)
-        k_rope = compressed[..., spec.kv_lora_rank :]  # [B, S, rope]
-
+        q_latent, q_nope, q_rope = query_path(x, q_a_proj, q_a_norm, q_b_proj, spec.latent_norm_eps,
+                                              spec.qk_nope_head_dim)
+        latent, k_rope = kv_latent(x, kv_a_proj, kv_a_norm, spec.kv_lora_rank, spec.latent_norm_eps)
         cos, sin = rope_angles(positions, spec.qk_rope_head_dim, spec.rope_theta)
         q_rope = apply_rope(q_rope, cos, sin)
         k_rope = apply_rope(k_rope, cos, sin)
-
-        kv = jnp.einsum("BSR,RNH->BSNH", latent, kv_b_proj)
-        k_nope, value = jnp.split(kv, [spec.qk_nope_head_dim], axis=-1)
-        key = jnp.concatenate(
-            [k_nope, jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + k_rope.shape[-1:])],
-            axis=-1)
-        query = jnp.concatenate([q_nope, q_rope], axis=-1)
+        query = constrain(jnp.concatenate([q_nope, q_rope], axis=-1),
+                          ("batch", "length", "heads", "head_dim"))
+        key, value = expand_latent(latent, k_rope, kv_b_proj, spec.qk_nope_head_dim)
 
         # Which keys each query may see.
         allowed = base_mask(positions, segment_ids)  # [B, T, S]

@@ -32,7 +32,7 @@ class MoESpec:
     normalize_topk_weights: bool
     routed_scaling_factor: float
     initializer_range: float
-    impl: str = "ragged"  # "ragged" (grouped matmul) or "dense" (all experts; CPU, few experts)
+    impl: str = "ragged"  # "ragged" (ragged_dot), "blocked" (padded blocks) or "dense" (all experts)
 
 
 def route(x: jax.Array, router: jax.Array, selection_bias: jax.Array, spec: MoESpec):
@@ -90,6 +90,41 @@ def routed_experts_dense(x: jax.Array, weights: jax.Array, experts: jax.Array, g
     return jnp.einsum("TEF,EFD->TD", hidden, down_proj.astype(dtype))
 
 
+def routed_experts_blocked(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
+                           up_proj: jax.Array, down_proj: jax.Array, block_rows: int = 128) -> jax.Array:
+    """Dropless grouped matmul from plain batched matmuls (fast where ragged_dot is not, e.g. CPU).
+
+    Same shapes and result as `routed_experts_ragged`. Token copies are sorted by expert and
+    each expert's rows padded to a multiple of `block_rows`, so every block of rows belongs to
+    one expert; the padded total is bounded statically by T*K + E*(block_rows - 1). Each block
+    multiplies with its expert's weights (gathered per block): about T*K rows of work instead
+    of the dense path's T*E.
+    """
+    num_tokens, top_k = experts.shape
+    num_experts, hidden = gate_proj.shape[0], x.shape[-1]
+    dtype = x.dtype
+    flat_experts = experts.reshape(-1)  # [T*K]
+    order = jnp.argsort(flat_experts, stable=True)
+    sorted_experts = flat_experts[order]
+    token_of_row = order // top_k
+    group_sizes = jnp.bincount(flat_experts, length=num_experts)
+    padded_sizes = (group_sizes + block_rows - 1) // block_rows * block_rows
+    padded_ends = jnp.cumsum(padded_sizes)
+    rank_in_group = jnp.arange(order.shape[0]) - (jnp.cumsum(group_sizes) - group_sizes)[sorted_experts]
+    slot = padded_ends[sorted_experts] - padded_sizes[sorted_experts] + rank_in_group  # [T*K]
+    capacity = -(-(num_tokens * top_k + num_experts * (block_rows - 1)) // block_rows) * block_rows
+    num_blocks = capacity // block_rows
+    buffer = jnp.zeros((capacity, hidden), dtype).at[slot].set(x[token_of_row])
+    blocks = buffer.reshape(num_blocks, block_rows, hidden)  # [N, b, D]
+    block_expert = jnp.minimum(
+        jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block_rows, side="right"), num_experts - 1)
+    gate = jnp.einsum("NbD,NDF->NbF", blocks, gate_proj.astype(dtype)[block_expert])
+    up = jnp.einsum("NbD,NDF->NbF", blocks, up_proj.astype(dtype)[block_expert])
+    out = jnp.einsum("NbF,NFD->NbD", jax.nn.silu(gate) * up, down_proj.astype(dtype)[block_expert])
+    out = out.reshape(capacity, hidden)[slot] * weights.reshape(-1)[order][:, None].astype(dtype)
+    return jnp.zeros((num_tokens, hidden), dtype).at[token_of_row].add(out)
+
+
 def routed_experts_ragged(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
                           up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
     """Runs each token through its chosen experts, dropless.
@@ -144,7 +179,8 @@ class MoE(nn.Module):
         self.sow("intermediates", "balance_loss",
                  sequence_balance_loss(scores.reshape(batch, length, num_experts),
                                        experts.reshape(batch, length, -1), num_experts))
-        routed = routed_experts_dense if spec.impl == "dense" else routed_experts_ragged
+        routed = {"dense": routed_experts_dense, "blocked": routed_experts_blocked,
+                  "ragged": routed_experts_ragged}[spec.impl]
         y = routed(tokens, weights, experts, gate_proj, up_proj, down_proj)
         y = constrain(y.reshape(batch, length, hidden), ("batch", "length", "embed"))
         if spec.num_shared_experts:

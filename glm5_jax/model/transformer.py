@@ -178,6 +178,21 @@ class Transformer(nn.Module):
         return outputs
 
 
+def sown_values(intermediates, name: str) -> list[tuple[tuple[str, ...], jax.Array]]:
+    """(module path, value) of every value sown under `name` (Flax keeps each in a tuple)."""
+    found = []
+
+    def walk(tree, path):
+        if isinstance(tree, dict):
+            for key, value in tree.items():
+                walk(value, path + (key,))
+        elif isinstance(tree, tuple) and path and path[-1] == name:
+            found.extend((path[:-1], value) for value in tree)
+
+    walk(intermediates, ())
+    return found
+
+
 def default_positions(input_ids: jax.Array) -> jax.Array:
     """0..T-1 for every row. [B, T] -> [B, T] int32."""
     return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.model.transformer import sown_values
+
 
 def shifted_targets(input_ids: jax.Array, segment_ids: jax.Array, offset: int):
     """Targets `offset` tokens ahead and their 0/1 weights.
@@ -51,8 +53,8 @@ def language_model_losses(outputs, input_ids, segment_ids, *, z_loss_weight: flo
         loss = loss + mtp_loss_weight * mtp_loss
         metrics["mtp_loss"] = mtp_loss
 
-    balance = [jnp.sum(leaf) for path, leaf in _intermediates(outputs.get("intermediates", {}))
-               if path[-1] == "balance_loss"]
+    balance = [jnp.sum(value) for _, value in
+               sown_values(outputs.get("intermediates", {}), "balance_loss")]
     if balance:
         balance_loss = sum(balance)
         loss = loss + balance_loss_weight * balance_loss
@@ -61,20 +63,6 @@ def language_model_losses(outputs, input_ids, segment_ids, *, z_loss_weight: flo
     return loss, metrics
 
 
-def _intermediates(tree, path=()):
-    """(path, array) for every sown value (Flax stores each as a 1-tuple)."""
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from _intermediates(value, path + (key,))
-    elif isinstance(tree, tuple):
-        for value in tree:
-            yield path, value
-
-
 def expert_loads(intermediates) -> dict[str, jax.Array]:
     """Tokens routed to each expert: {"moe_layers": [L, E], "mtp": [E]} (whichever exist)."""
-    loads = {}
-    for path, value in _intermediates(intermediates):
-        if path[-1] == "expert_load":
-            loads[path[0]] = value
-    return loads
+    return {path[0]: value for path, value in sown_values(intermediates, "expert_load")}

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
-from glm5_jax.model.config import ConfigError
+from glm5_jax.model.config import check_field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +46,8 @@ class TrainSettings:
         return settings
 
     def validate(self) -> None:
-        def require(condition: bool, field: str, message: str) -> None:
-            if not condition:
-                raise ConfigError(f"{field}: {message} (got {getattr(self, field)!r})")
+        """Raises ConfigError naming the first invalid field."""
+        require = functools.partial(check_field, self)
 
         for field in ("num_train_steps", "batch_size", "grad_accum_steps", "log_every",
                       "eval_every", "checkpoint_every", "keep_checkpoints", "max_bad_steps"):

@@ -1,0 +1,76 @@
+"""Request-level types shared by the sampler, the engine and the HTTP API."""
+
+from __future__ import annotations
+
+import dataclasses
+
+MAX_TOP_LOGPROBS = 20
+
+
+class InvalidRequestError(ValueError):
+    """A request parameter is out of range; the message names the parameter."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (OpenAI / vLLM semantics).
+
+    temperature 0 means greedy. top_k 0 and top_p 1 and min_p 0 disable those filters.
+    repetition_penalty (HF/vLLM style, 1 = off) divides positive and multiplies negative logits of
+    tokens seen in the prompt or the output; presence_penalty and frequency_penalty (OpenAI style)
+    subtract from the logits of tokens already generated (once, and once per occurrence). seed
+    makes sampling reproducible. logprobs: None for none, else how many top alternatives (0-20)
+    to return beside the chosen token's log probability.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raises InvalidRequestError naming the first out-of-range parameter."""
+
+        def require(condition: bool, name: str, message: str) -> None:
+            if not condition:
+                raise InvalidRequestError(f"{name} {message}, got {getattr(self, name)!r}")
+
+        require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+                "must be a positive integer")
+        require(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
+        require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
+        require(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        require(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
+        require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+                "seed", "must be a non-negative integer")
+        require(self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
+                f"must be between 0 and {MAX_TOP_LOGPROBS}")
+        require(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop",
+                "must be at most 16 non-empty strings")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationEvent:
+    """One step of a request's output: a new token, and/or the end of the request.
+
+    finish_reason: None while generating; "stop" (EOS, a stop token id, or a stop string found
+    by the API layer), "length" (max_tokens or the context limit reached) or "abort"
+    (cancelled, or the server shutting down).
+    """
+
+    token_id: int | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: str | None = None
