@@ -58,10 +58,10 @@ def get_config() -> ml_collections.ConfigDict:
         validation_fraction=0.02,
         seed=0,
     ))
-    config.num_train_steps = 350
+    config.num_train_steps = 400
     config.batch_size = 8
     config.grad_accum_steps = 1
-    config.learning_rate = 3e-3
+    config.learning_rate = 2e-3
     config.warmup_steps = 30
     config.min_learning_rate_ratio = 0.1
     config.weight_decay = 0.1

@@ -1,0 +1,102 @@
+"""Serve a GLM-5-architecture model over an OpenAI-compatible HTTP API.
+
+    python serve.py --checkpoint runs/demo --host 127.0.0.1 --port 8000
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+        -d '{"model": "demo", "prompt": "def fibonacci(n):", "max_tokens": 64}'
+
+The checkpoint is an HF-layout directory (config.json, safetensors, tokenizer.json and optionally
+a chat template) or a train.py run directory (checkpoints/, tokenizer.json). Any OpenAI client
+works: point its base_url at http://HOST:PORT/v1 and use the served model id (by default the
+checkpoint directory's name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_RUN = Path("runs/demo")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", default=None,
+                        help=f"an HF checkpoint directory or a train.py run directory "
+                             f"(default: {DEFAULT_RUN} when it exists)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1; 0.0.0.0 exposes the server to "
+                             "the network)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
+    parser.add_argument("--model-id", default=None,
+                        help="model name clients must send (default: the checkpoint directory's name)")
+    parser.add_argument("--api-key", default=os.environ.get("GLM5_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $GLM5_API_KEY; "
+                             "unset means no key)")
+    parser.add_argument("--max-slots", type=int, default=8,
+                        help="requests decoded together in one batch; more wait in a queue (default: 8)")
+    parser.add_argument("--max-context", type=int, default=1024,
+                        help="most tokens (prompt + output) of one request (default: 1024)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn log level (default: info)")
+    args = parser.parse_args(argv)
+    if args.max_slots < 1:
+        parser.error(f"--max-slots must be >= 1, got {args.max_slots}")
+    if args.max_context < 2:
+        parser.error(f"--max-context must be >= 2, got {args.max_context}")
+    return args
+
+
+def resolve_checkpoint(checkpoint: str | None) -> Path:
+    """The directory to serve; exits with advice when none is given and there is no demo run."""
+    if checkpoint is not None:
+        path = Path(checkpoint)
+        if not path.is_dir():
+            sys.exit(f"error: --checkpoint {checkpoint} is not a directory")
+        return path
+    if (DEFAULT_RUN / "checkpoints").is_dir():
+        return DEFAULT_RUN
+    sys.exit(f"error: no --checkpoint given and {DEFAULT_RUN} has no checkpoints; train the demo "
+             "model first with `python train.py --config configs/demo.py`, or pass --checkpoint DIR")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    # Imported here: loading JAX and the model is slow, and `--help` should not need it.
+    import uvicorn
+
+    from glm5_jax.runs import RunNotFoundError, load_any
+    from glm5_jax.serve.api import create_app
+    from glm5_jax.serve.chat import load_chat_template, load_special_tokens
+    from glm5_jax.serve.engine import Engine, warm_up
+
+    try:
+        config, params, tokenizer = load_any(checkpoint)
+    except RunNotFoundError as exc:
+        sys.exit(f"error: {exc}")
+    if tokenizer is None:
+        sys.exit(f"error: {checkpoint} has no tokenizer.json; the server needs it to read and write text")
+    model_id = args.model_id or checkpoint.resolve().name
+    engine = Engine(config, params, tokenizer, max_slots=args.max_slots, max_context=args.max_context)
+    app = create_app(engine, model_id, api_key=args.api_key, chat_template=load_chat_template(checkpoint),
+                     special_tokens=load_special_tokens(checkpoint))
+    print("compiling the decode step and the first prefill bucket...", flush=True)
+    warm_up(engine)
+    print(f"serving {model_id!r} from {checkpoint} at http://{args.host}:{args.port}/v1 "
+          f"(max_context {engine.max_context}, {args.max_slots} slots)", flush=True)
+    try:
+        # A short graceful shutdown: open streams are then cancelled, which frees their engine slots.
+        # No lifespan: the app has no startup work, and the engine is shut down here.
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
+                    timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its own clean shutdown
+        pass
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

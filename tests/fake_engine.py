@@ -1,0 +1,139 @@
+"""A deterministic stand-in for glm5_jax.serve.engine.Engine, and a tiny real tokenizer, for API tests.
+
+The fake "model" repeats the prompt's ordinary (non-special) tokens, then emits EOS; with
+ignore_eos it cycles through them until max_tokens or the context limit. A stop_token_ids token
+ends the output with "stop" (that token is yielded, as the real engine does). Each token comes
+after a small asyncio sleep so that clients can disconnect midway, and at most max_slots requests
+run at once (the rest wait), like the real engine's batch slots. Every stream is recorded in
+`engine.streams` so tests can check cancellations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from glm5_jax.serve.types import GenerationEvent, InvalidRequestError, SamplingParams
+
+EOS = "<|endoftext|>"
+# The GLM-5 chat-format markers, special so that the fake's echo leaves them out, as a model would.
+SPECIAL_TOKENS = [EOS, "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+                  "<think>", "</think>"]
+TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "hello world, hello there; the world says hello back.",
+    "Stop strings must be cut exactly where they begin, even across tokens.",
+    "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "client request number 0 1 2 3 4 5 6 7 8 9",
+]
+
+
+def make_tokenizer() -> tokenizers.Tokenizer:
+    """A byte-level BPE (like GLM's) trained in a few milliseconds: any text round-trips, and
+    characters outside the training text split into byte tokens that decode to U+FFFD alone."""
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(TRAINING_TEXT, trainer)
+    return tokenizer
+
+
+class FakeStream:
+    """One request's events; records what happened to it (cancel_calls, finish_reason, token_ids)."""
+
+    def __init__(self, engine: FakeEngine, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        self.engine, self.request_id, self.params = engine, request_id, params
+        self.prompt_ids = list(prompt_ids)
+        self.prompt_tokens = len(prompt_ids)
+        self.cancel_calls = 0
+        self.finish_reason: str | None = None
+        self.token_ids: list[int] = []
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_calls > 0
+
+    def cancel(self) -> None:
+        self.cancel_calls += 1
+
+    def _script(self):
+        special = {self.engine.tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+        body = [t for t in self.prompt_ids if t not in special] or [self.engine.eos_token_ids[0]]
+        if self.params.ignore_eos:
+            return itertools.cycle(body)
+        return itertools.chain(body, itertools.repeat(self.engine.eos_token_ids[0]))
+
+    async def __aiter__(self):
+        limit = min(self.params.max_tokens, self.engine.max_context - self.prompt_tokens)
+        async with self.engine.slots():
+            script = self._script()
+            for step in range(limit):
+                if self.cancelled:
+                    break
+                await asyncio.sleep(self.engine.delay)
+                if self.cancelled:
+                    break
+                if step == self.engine.fail_after:
+                    raise RuntimeError("the fake device fell over")
+                token = next(script)
+                self.token_ids.append(token)
+                ends = token in self.params.stop_token_ids or (
+                    token in self.engine.eos_token_ids and not self.params.ignore_eos)
+                finish = "stop" if ends else ("length" if step == limit - 1 else None)
+                yield self._event(token, finish)
+                if finish:
+                    return
+            self.finish_reason = "abort"
+            yield GenerationEvent(token_id=None, finish_reason="abort")
+
+    def _event(self, token: int, finish: str | None) -> GenerationEvent:
+        self.finish_reason = finish
+        count = self.params.logprobs or 0
+        vocab = self.engine.tokenizer.get_vocab_size()
+        top = tuple(((token + i) % vocab, -0.5 - i) for i in range(count))
+        return GenerationEvent(token_id=token, logprob=-0.5, top_logprobs=top, finish_reason=finish)
+
+
+class FakeEngine:
+    """Implements the Engine interface the API codes against (see glm5_jax/serve/engine.py)."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer | None = None, *, max_context: int = 128,
+                 max_slots: int = 8, delay: float = 0.001, fail_after: int | None = None):
+        self.tokenizer = tokenizer or make_tokenizer()
+        self.max_context = max_context
+        self.eos_token_ids = (self.tokenizer.token_to_id(EOS),)
+        self.delay = delay
+        self.max_slots = max_slots
+        self.fail_after = fail_after  # raise RuntimeError after this many tokens (an engine failure)
+        self.streams: list[FakeStream] = []
+        self._semaphore: asyncio.Semaphore | None = None
+        self._ids = itertools.count()
+
+    @property
+    def compile_count(self) -> int:
+        return 0
+
+    def slots(self) -> asyncio.Semaphore:
+        # Created on first use so that it belongs to the server's event loop, not the test's.
+        if self._semaphore is None:
+            self._semaphore = asyncio.Semaphore(self.max_slots)
+        return self._semaphore
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> FakeStream:
+        if not prompt_ids:
+            raise InvalidRequestError("prompt must not be empty")
+        if len(prompt_ids) >= self.max_context:
+            raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; at most {self.max_context - 1}")
+        params.validate()
+        stream = FakeStream(self, f"fake-{next(self._ids)}", prompt_ids, params)
+        self.streams.append(stream)
+        return stream
+
+    def shutdown(self) -> None:
+        for stream in self.streams:
+            stream.cancel()

@@ -1,0 +1,116 @@
+"""serve.py end to end with the real engine: an HF-layout checkpoint with a tokenizer, the
+official `openai` client, greedy output equal to the argmax chain of `glm5_jax.forward`."""
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+
+import glm5_jax
+from glm5_jax.data import train_bpe_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n    y: int = 0\n",
+        "for item in range(10):\n    print(item)\n", "import os\nprint(os.getcwd())\n"] * 20
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_config):
+    directory = tmp_path_factory.mktemp("served")
+    tokenizer = train_bpe_tokenizer(TEXT, vocab_size=320)
+    config = tiny_config.replace(vocab_size=320, num_mtp_layers=0, eos_token_ids=[0], pad_token_id=0)
+    params = glm5_jax.init_params(config, 11)
+    rng = np.random.default_rng(11)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: leaf + rng.uniform(-0.3, 0.3, leaf.shape).astype(leaf.dtype)
+        if "scale" in str(path[-1]) or "bias" in str(path[-1]) else leaf, params)
+    glm5_jax.save_pretrained(config, params, directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory, config, params, tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    directory = checkpoint[0]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "serve.py", "--checkpoint", str(directory), "--port", str(port),
+         "--max-slots", "4", "--max-context", "64", "--api-key", "secret"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            if process.poll() is not None:
+                raise AssertionError(process.stdout.read()) from None
+            time.sleep(0.5)
+    yield port, directory.name
+    process.terminate()
+    process.wait(timeout=60)
+
+
+def greedy_ids(config, params, prompt, count):
+    sequence = list(prompt)
+    for _ in range(count):
+        logits = np.asarray(glm5_jax.forward(config, params, np.asarray([sequence])))
+        sequence.append(int(np.argmax(logits[0, -1])))
+        if sequence[-1] in config.eos_token_ids:
+            break
+    return sequence[len(prompt):]
+
+
+def test_completion_equals_forward_argmax(server, checkpoint):
+    port, model_id = server
+    _, config, params, tokenizer = checkpoint
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="secret", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [model_id]
+    prompt = "def add(a, b):"
+    expected = greedy_ids(config, params, tokenizer.encode(prompt).ids, 12)
+    expected_text = tokenizer.decode([t for t in expected if t not in config.eos_token_ids])
+    response = client.completions.create(model=model_id, prompt=prompt, max_tokens=12, temperature=0)
+    assert response.choices[0].text == expected_text
+    assert response.usage.completion_tokens == len(expected)
+
+    streamed = client.completions.create(model=model_id, prompt=prompt, max_tokens=12, temperature=0,
+                                         stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected_text
+
+
+def test_chat_streaming_and_bad_requests(server):
+    port, model_id = server
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="secret", max_retries=0)
+    chunks = list(client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "print"}], max_tokens=8, stream=True,
+        seed=1))
+    assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "x"}],
+                                       temperature=-3)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong",
+                      max_retries=0).completions.create(model=model_id, prompt="x")
+    response = client.completions.create(model=model_id, prompt="x", max_tokens=2)
+    assert response.choices[0].finish_reason in ("stop", "length")  # still serving
+
+
+def test_no_recompiles_in_steady_state(server):
+    port, model_id = server
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="secret", max_retries=0)
+    client.completions.create(model=model_id, prompt="for item in", max_tokens=6)  # compiles its bucket
+    before = httpx.get(f"http://127.0.0.1:{port}/health").json()["compile_count"]
+    for prompt in ("import", "class A:", "def f(x): return x"):
+        client.completions.create(model=model_id, prompt=prompt, max_tokens=6, temperature=0.7, top_p=0.9)
+    assert httpx.get(f"http://127.0.0.1:{port}/health").json()["compile_count"] == before
