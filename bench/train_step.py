@@ -91,7 +91,7 @@ def main():
     print("|---|---|---|---|")
     print(f"| transformers 5.24 + torch (eager, sdpa) | {torch_seconds:.3f} | "
           f"{tokens / torch_seconds:,.0f} | 1.00x |")
-    for impl in ("dense", "ragged"):
+    for impl in ("blocked", "dense", "ragged"):
         seconds = time_ours(base.replace(moe_impl=impl), settings, batch, args.steps)
         print(f"| glm5_jax jit, moe_impl={impl} | {seconds:.3f} | {tokens / seconds:,.0f} | "
               f"{torch_seconds / seconds:.2f}x |", flush=True)

@@ -9,6 +9,8 @@ import argparse
 import shutil
 from pathlib import Path
 
+from absl import logging
+
 from glm5_jax.checkpoint import save_pretrained
 from glm5_jax.runs import load_run
 
@@ -28,6 +30,7 @@ def main(argv=None):
     parser.add_argument("--output", required=True, help="directory to write the HF checkpoint to")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 2GB")
     args = parser.parse_args(argv)
+    logging.set_verbosity(logging.ERROR)  # orbax narrates read-only checkpoint access
     print(f"exported to {export_run(args.workdir, args.output, args.max_shard_size)}")
 
 

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from glm5_jax.model import ModelConfig, forward
 from glm5_jax.runs import load_any
@@ -68,6 +69,7 @@ def main(argv=None):
     parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same text)")
     args = parser.parse_args(argv)
+    logging.set_verbosity(logging.ERROR)  # orbax narrates read-only checkpoint access
 
     config, params, tokenizer = load_any(args.checkpoint)
     if tokenizer is None:

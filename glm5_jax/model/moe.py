@@ -102,6 +102,9 @@ def routed_experts_blocked(x: jax.Array, weights: jax.Array, experts: jax.Array,
     """
     num_tokens, top_k = experts.shape
     num_experts, hidden = gate_proj.shape[0], x.shape[-1]
+    # Few tokens (decode): smaller blocks, so padding does not dominate the work.
+    average_rows = -(-num_tokens * top_k // num_experts)
+    block_rows = min(block_rows, max(8, 1 << (average_rows - 1).bit_length()))
     dtype = x.dtype
     flat_experts = experts.reshape(-1)  # [T*K]
     order = jnp.argsort(flat_experts, stable=True)

@@ -78,6 +78,17 @@ class _Slot:
     max_new: int
 
 
+@jax.jit
+def _sample_one_slot(logits, position, state, slot):
+    """Samples slot `slot`'s first token from prefill logits [1, C, V] at `position`, leaving the
+    other slots' sampler state untouched. Indices are traced: no compile per slot or length."""
+    row = jax.lax.dynamic_index_in_dim(logits[0], position, 0, keepdims=True)  # [1, V]
+    one = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1), state)
+    token, logprob, top_ids, top_logprobs, one = sample(row, one, MAX_TOP_LOGPROBS)
+    state = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, slot, 0), state, one)
+    return token[0], logprob[0], top_ids[0], top_logprobs[0], state
+
+
 def prefill_buckets(max_context: int) -> list[int]:
     """Prompt lengths prefill compiles for: powers of two from 16, and max_context."""
     buckets = [b for b in (2**i for i in range(4, 31)) if b < max_context]
@@ -204,12 +215,9 @@ class Engine:
         slot = _Slot(stream, position=length, last_token=0, generated=0,
                      max_new=min(params.max_tokens, self.max_context - length))
         self._slots[index] = slot
-        # Sample the first token on this slot alone, so other slots' sampler state is untouched.
-        one = jax.tree.map(lambda a: a[index:index + 1], self._sampling)
-        token, logprob, top_ids, top_logprobs, one = sample(logits[:, length - 1], one, MAX_TOP_LOGPROBS)
-        self._sampling = jax.tree.map(lambda a, b: a.at[index].set(b[0]), self._sampling, one)
-        self._emit(index, int(token[0]), float(logprob[0]), np.asarray(top_ids[0]),
-                   np.asarray(top_logprobs[0]))
+        token, logprob, top_ids, top_logprobs, self._sampling = _sample_one_slot(
+            logits, jnp.int32(length - 1), self._sampling, jnp.int32(index))
+        self._emit(index, int(token), float(logprob), np.asarray(top_ids), np.asarray(top_logprobs))
 
     def _decode(self) -> None:
         tokens = np.zeros((self.max_slots, 1), np.int32)

@@ -255,11 +255,12 @@ def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int
 
     temperature = state.temperature[:, None]
     scaled = penalised / jnp.where(temperature > 0, temperature, 1.0)
-    iota = jnp.broadcast_to(jnp.arange(vocab_size, dtype=jnp.int32), scaled.shape)
-    neg_sorted, sorted_ids = jax.lax.sort((-scaled, iota), dimension=-1, num_keys=1, is_stable=True)
-    filtered = _filter_sorted(-neg_sorted, state)
-    new_keys, positions = jax.vmap(_draw)(state.keys, filtered)
-    sampled_tokens = jnp.take_along_axis(sorted_ids, positions[:, None], axis=-1)[:, 0]
+    # The sort behind top_k / top_p / min_p is the costly part of a step: skip it when no slot
+    # filters. Draws happen in vocabulary order either way, so a slot's tokens do not depend
+    # on which branch its neighbours' settings select.
+    filtering = jnp.any((state.top_k > 0) | (state.top_p < 1.0) | (state.min_p > 0.0))
+    candidates = jax.lax.cond(filtering, lambda: filter_logits(scaled, state), lambda: scaled)
+    new_keys, sampled_tokens = jax.vmap(_draw)(state.keys, candidates)
     tokens = jnp.where(state.temperature > 0, sampled_tokens, greedy_tokens)
 
     raw_logprobs = jax.nn.log_softmax(raw, axis=-1)
