@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import glm5_jax
-from glm5_jax.model.decode import cache_bytes_per_token, decode_step, init_cache, insert_slot
+from glm5_jax.model.decode import cache_bytes, cache_bytes_per_token, decode_step, init_cache, insert_slot
 from glm5_jax.model.transformer import sown_values
 
 MAX_LENGTH = 32
@@ -47,7 +47,13 @@ def decode_logits(config, params, sequences, prompt_lengths):
 @pytest.mark.parametrize("variant", [
     dict(),
     dict(indexer_types=["full", "shared", "full", "shared"]),
+    # Mixed stacks (lax.cond per layer); prompts longer than the window (ring overflow in prefill).
     dict(attention_types=["dsa", "sliding_window", "dsa", "sliding_window"], sliding_window=5),
+    dict(attention_types=["sliding_window", "dsa", "sliding_window", "dsa"], sliding_window=3,
+         indexer_types=["full", "full", "full", "shared"]),
+    # Uniform sliding stacks: only ring caches, no DSA layer at all.
+    dict(attention_types=["sliding_window"] * 4, sliding_window=3),
+    dict(attention_types=["sliding_window"] * 4, sliding_window=5),
     dict(moe_impl="blocked"),
 ])
 def test_decode_rows_equal_forward_rows(tiny_config, variant):
@@ -68,9 +74,35 @@ def test_decode_rows_equal_forward_rows(tiny_config, variant):
 
 def test_cache_holds_latents_not_per_head_keys(tiny_config):
     cache = init_cache(tiny_config, 2, 16)
-    assert set(cache["moe_layers"]) == {"latent", "k_rope", "index_keys"}
-    assert cache["moe_layers"]["latent"].shape == (3, 2, 16, tiny_config.kv_lora_rank)
+    assert set(cache["moe_layers"]) == {"full"}
+    assert set(cache["moe_layers"]["full"]) == {"latent", "k_rope", "index_keys"}
+    assert cache["moe_layers"]["full"]["latent"].shape == (3, 2, 16, tiny_config.kv_lora_rank)
+    assert "ring_positions" not in cache
     glm5 = glm5_jax.ModelConfig.from_dict(
         dict(num_layers=78, dtype="bfloat16", param_dtype="bfloat16"))
     # 512 latent + 64 rope + 128 indexer values per token per layer, bf16.
     assert cache_bytes_per_token(glm5) == 78 * (512 + 64 + 128) * 2
+
+
+def test_sliding_layers_keep_a_ring_of_window_entries(tiny_config):
+    config = tiny_config.replace(attention_types=["dsa", "sliding_window", "dsa", "sliding_window"],
+                                 sliding_window=5)
+    for max_length in (16, 64, 1024):
+        cache = init_cache(config, 2, max_length)
+        assert set(cache["dense_layers"]) == {"full"}  # layer 0
+        assert set(cache["moe_layers"]) == {"full", "ring"}  # layers 1-3
+        ring = cache["moe_layers"]["ring"]
+        assert set(ring) == {"latent", "k_rope"}  # no indexer keys
+        assert ring["latent"].shape == (2, 2, 5, config.kv_lora_rank)
+        assert ring["k_rope"].shape == (2, 2, 5, config.qk_rope_head_dim)
+        assert cache["moe_layers"]["full"]["latent"].shape == (1, 2, max_length, config.kv_lora_rank)
+        assert cache["ring_positions"].shape == (2, 5) and int(cache["ring_positions"].min()) == -1
+        assert cache_bytes(config, max_length) == sum(
+            leaf.nbytes for leaf in jax.tree.leaves(cache) if leaf.ndim) // 2
+    all_sliding = config.replace(attention_types=["sliding_window"] * 4)
+    sizes = {init_cache(all_sliding, 2, m)["moe_layers"]["ring"]["latent"].shape for m in (16, 4096)}
+    assert sizes == {(3, 2, 5, config.kv_lora_rank)}
+    assert cache_bytes_per_token(all_sliding) == 0
+    assert cache_bytes(all_sliding, 16) == cache_bytes(all_sliding, 4096)
+    # A cache shorter than the window keeps only its length.
+    assert init_cache(all_sliding, 1, 3)["moe_layers"]["ring"]["latent"].shape[2] == 3

@@ -121,3 +121,25 @@ def test_bad_prompts_are_rejected(engine):
 
 async def submit_with(engine, params):
     engine.submit([1, 2], params)
+
+
+def test_sliding_window_layers_on_the_ring_cache(model):
+    """Mixed DSA / sliding-window stacks: the ring state travels with prefill insertion and
+    prompts longer than the window still give forward's greedy chain."""
+    config, params = model
+    config = config.replace(attention_types=["dsa", "sliding_window", "dsa", "sliding_window"],
+                            sliding_window=4)
+    engine = Engine(config, params, None, max_slots=2, max_context=32, seed=0)
+    try:
+        rng = np.random.default_rng(2)
+        prompts = [rng.integers(0, 200, n).tolist() for n in (3, 11, 6)]
+        greedy = SamplingParams(max_tokens=6, temperature=0.0)
+
+        async def run_all():
+            return await asyncio.gather(*(collect(engine, p, greedy) for p in prompts))
+
+        results = asyncio.run(run_all())
+    finally:
+        engine.shutdown()
+    for prompt, (tokens, _) in zip(prompts, results, strict=True):
+        assert tokens == greedy_reference(config, params, prompt, 6)

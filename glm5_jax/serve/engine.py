@@ -1,7 +1,8 @@
 """The continuous-batching inference engine.
 
 A background thread owns the model state: a latent cache of `max_slots` sequences of
-`max_context` positions (glm5_jax.model.decode), and the per-slot sampler state. Each loop
+`max_context` positions (glm5_jax.model.decode; sliding-window layers keep only a ring of
+`sliding_window` entries, copied with the slot on insertion), and the per-slot sampler state. Each loop
 iteration it admits waiting requests into free slots (prefill with the prompt padded to a
 power-of-two bucket, so only a handful of shapes ever compile, then insertion into the slot),
 runs ONE jitted decode step over all slots (idle slots write nowhere), samples a token per
