@@ -117,7 +117,7 @@ def test_generate_and_export_from_the_run(uninterrupted, tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("--config.model.num_expert_groups=3", "num_expert_groups"),
-    ("--config.batch_size=3", "grad_accum_steps"),
+    ("--config.grad_accum_steps=3", "grad_accum_steps"),
     ("--config.data.vocab_size=1024", "1024"),
 ])
 def test_bad_config_is_named(tmp_path, data_glob, override, message):
