@@ -99,7 +99,6 @@ def main():
     engine = Engine(config, params, tokenizer, max_slots=max(args.concurrency), max_context=128, seed=0)
     warm_up(engine, prompt_lengths=(len(prompt_ids),))
     server, thread, port = start_server(create_app(engine, "bench"))
-    compiles_after_warm_up = engine.compile_count
 
     from transformers import GlmMoeDsaForCausalLM
 
@@ -113,6 +112,7 @@ def main():
 
     print(f"{args.checkpoint}: prompt {len(prompt_ids)} tokens, {args.max_tokens} new tokens per "
           f"request, {args.requests} requests per client; torch threads {torch.get_num_threads()}")
+    compiles_after_warm_up = engine.compile_count
     print("| concurrency | ours tok/s | ours TTFT (s) | ours TPOT (s) | transformers tok/s | "
           "transformers TTFT (s) | transformers TPOT (s) | throughput ratio |")
     print("|---|---|---|---|---|---|---|---|")

@@ -17,7 +17,6 @@ import dataclasses
 import itertools
 import queue
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -262,8 +261,9 @@ class Engine:
 
 
 def warm_up(engine: Engine, prompt_lengths=(1,), timeout: float = 600.0) -> None:
-    """Compiles prefill for the given prompt lengths' buckets and the decode step, so the first
-    requests do not pay for compilation."""
+    """Compiles prefill for the given prompt lengths' buckets, slot insertion, the samplers and
+    the decode step, so that requests do not pay for compilation. Runs the requests twice: the
+    second round compiles what only a cache or sampler state that came out of a step needs."""
 
     async def one(length):
         stream = engine.submit([0] * length, SamplingParams(max_tokens=2, temperature=0.0))
@@ -271,8 +271,7 @@ def warm_up(engine: Engine, prompt_lengths=(1,), timeout: float = 600.0) -> None
             pass
 
     async def all_lengths():
-        await asyncio.wait_for(asyncio.gather(*(one(n) for n in prompt_lengths)), timeout)
+        for _ in range(2):
+            await asyncio.wait_for(asyncio.gather(*(one(n) for n in prompt_lengths)), timeout)
 
-    started = time.perf_counter()
     asyncio.run(all_lengths())
-    del started
