@@ -63,6 +63,7 @@ async def measure_ours(port, model_id, concurrency, requests, max_tokens):
     await asyncio.gather(*(one_client(client, model_id, requests, max_tokens, records)
                            for _ in range(concurrency)))
     wall = time.perf_counter() - start
+    await client.close()  # before asyncio.run closes this loop
     ttft = statistics.median(r[0] for r in records)
     tpot = statistics.median(r[1] for r in records)
     return concurrency * requests * max_tokens / wall, ttft, tpot
