@@ -48,3 +48,17 @@ def build_reference(config: ModelConfig, seed: int = 0) -> GlmMoeDsaForCausalLM:
 def reference_logits(model: GlmMoeDsaForCausalLM, input_ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(input_ids), dtype=torch.long)).logits.float().numpy()
+
+
+def perturbed_params(config: ModelConfig, seed: int, spread: float = 0.3):
+    """Our random init with every norm scale and bias moved by uniform(-spread, spread), so
+    ones/zeros cannot hide a mistake in how they are used."""
+    import jax
+
+    import glm5_jax
+
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: leaf + rng.uniform(-spread, spread, leaf.shape).astype(leaf.dtype)
+        if "scale" in str(path[-1]) or "bias" in str(path[-1]) else leaf,
+        glm5_jax.init_params(config, seed))

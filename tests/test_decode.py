@@ -5,20 +5,13 @@ token at a time for several sequences of different lengths at once."""
 import jax
 import numpy as np
 import pytest
+from reference import perturbed_params
 
 import glm5_jax
 from glm5_jax.model.decode import cache_bytes, cache_bytes_per_token, decode_step, init_cache, insert_slot
 from glm5_jax.model.transformer import sown_values
 
 MAX_LENGTH = 32
-
-
-def perturbed(config, seed):
-    params = glm5_jax.init_params(config, seed)
-    rng = np.random.default_rng(seed)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf + rng.uniform(-0.3, 0.3, leaf.shape).astype(leaf.dtype)
-        if str(path[-1]).find("scale") >= 0 or str(path[-1]).find("bias") >= 0 else leaf, params)
 
 
 def decode_logits(config, params, sequences, prompt_lengths):
@@ -58,7 +51,7 @@ def decode_logits(config, params, sequences, prompt_lengths):
 ])
 def test_decode_rows_equal_forward_rows(tiny_config, variant):
     config = tiny_config.replace(num_mtp_layers=0, **variant)
-    params = perturbed(config, 3)
+    params = perturbed_params(config, 3)
     rng = np.random.default_rng(4)
     sequences = [rng.integers(0, config.vocab_size, length).tolist() for length in (21, 14, 17)]
     prompt_lengths = [12, 3, 9]

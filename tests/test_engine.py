@@ -3,9 +3,9 @@ different lengths share decode steps, no recompiles in steady state, cancellatio
 
 import asyncio
 
-import jax
 import numpy as np
 import pytest
+from reference import perturbed_params
 
 import glm5_jax
 from glm5_jax.serve.engine import Engine
@@ -17,12 +17,7 @@ MAX_CONTEXT = 48
 @pytest.fixture(scope="module")
 def model(tiny_config):
     config = tiny_config.replace(num_mtp_layers=0, eos_token_ids=[255])
-    params = glm5_jax.init_params(config, 5)
-    rng = np.random.default_rng(5)
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf + rng.uniform(-0.3, 0.3, leaf.shape).astype(leaf.dtype)
-        if "scale" in str(path[-1]) or "bias" in str(path[-1]) else leaf, params)
-    return config, params
+    return config, perturbed_params(config, 5)
 
 
 @pytest.fixture(scope="module")

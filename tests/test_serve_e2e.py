@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import httpx
-import jax
 import numpy as np
 import openai
 import pytest
+from reference import perturbed_params
 
 import glm5_jax
 from glm5_jax.data import train_bpe_tokenizer
@@ -26,11 +26,7 @@ def checkpoint(tmp_path_factory, tiny_config):
     directory = tmp_path_factory.mktemp("served")
     tokenizer = train_bpe_tokenizer(TEXT, vocab_size=320)
     config = tiny_config.replace(vocab_size=320, num_mtp_layers=0, eos_token_ids=[0], pad_token_id=0)
-    params = glm5_jax.init_params(config, 11)
-    rng = np.random.default_rng(11)
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf + rng.uniform(-0.3, 0.3, leaf.shape).astype(leaf.dtype)
-        if "scale" in str(path[-1]) or "bias" in str(path[-1]) else leaf, params)
+    params = perturbed_params(config, 11)
     glm5_jax.save_pretrained(config, params, directory)
     tokenizer.save(str(directory / "tokenizer.json"))
     return directory, config, params, tokenizer

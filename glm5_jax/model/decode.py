@@ -42,12 +42,10 @@ from glm5_jax.model.dsa import (
 )
 from glm5_jax.model.layers import apply_rope, rms_norm, rope_angles, swiglu_mlp
 from glm5_jax.model.mla import absorbed_attention, kv_latent, query_path
-from glm5_jax.model.moe import route, routed_experts_blocked, routed_experts_dense, routed_experts_ragged
+from glm5_jax.model.moe import ROUTED_EXPERTS, route
 from glm5_jax.model.transformer import moe_spec
 
 STACKS = ("dense_layers", "moe_layers")
-ROUTED = {"dense": routed_experts_dense, "blocked": routed_experts_blocked,
-          "ragged": routed_experts_ragged}
 FULL_WIDTHS = ("latent", "k_rope", "index_keys")
 RING_WIDTHS = ("latent", "k_rope")
 
@@ -222,7 +220,8 @@ def _feed_forward(config: ModelConfig, layer, x, ffn: str):
     moe, spec = layer["moe"], moe_spec(config)
     tokens = x.reshape(-1, x.shape[-1])
     weights, experts, _ = route(tokens, moe["router"], moe["router_bias"], spec)
-    y = ROUTED[spec.impl](tokens, weights, experts, moe["gate_proj"], moe["up_proj"], moe["down_proj"])
+    y = ROUTED_EXPERTS[spec.impl](tokens, weights, experts, moe["gate_proj"], moe["up_proj"],
+                                  moe["down_proj"])
     y = y.reshape(x.shape)
     if config.num_shared_experts:
         shared = moe["shared_experts"]

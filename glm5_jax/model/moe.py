@@ -151,6 +151,11 @@ def routed_experts_ragged(x: jax.Array, weights: jax.Array, experts: jax.Array, 
     return jnp.zeros((num_tokens, x.shape[-1]), dtype).at[token_of_row].add(out)
 
 
+# config.moe_impl -> the routed-expert computation (all three give the same result).
+ROUTED_EXPERTS = {"dense": routed_experts_dense, "blocked": routed_experts_blocked,
+                  "ragged": routed_experts_ragged}
+
+
 class MoE(nn.Module):
     spec: MoESpec
     param_dtype: jnp.dtype = jnp.float32
@@ -182,9 +187,7 @@ class MoE(nn.Module):
         self.sow("intermediates", "balance_loss",
                  sequence_balance_loss(scores.reshape(batch, length, num_experts),
                                        experts.reshape(batch, length, -1), num_experts))
-        routed = {"dense": routed_experts_dense, "blocked": routed_experts_blocked,
-                  "ragged": routed_experts_ragged}[spec.impl]
-        y = routed(tokens, weights, experts, gate_proj, up_proj, down_proj)
+        y = ROUTED_EXPERTS[spec.impl](tokens, weights, experts, gate_proj, up_proj, down_proj)
         y = constrain(y.reshape(batch, length, hidden), ("batch", "length", "embed"))
         if spec.num_shared_experts:
             y = y + MLP(hidden, inner * spec.num_shared_experts, spec.initializer_range,
