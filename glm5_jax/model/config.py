@@ -18,7 +18,9 @@ import jax.numpy as jnp
 INDEXER_TYPES = ("full", "shared")
 ATTENTION_TYPES = ("dsa", "sliding_window")
 REMAT_POLICIES = ("none", "full", "save_matmuls")
-MOE_IMPLS = ("ragged", "blocked", "dense")
+MOE_IMPLS = ("ragged", "blocked", "dense", "pallas")
+KERNEL_IMPLS = ("reference", "pallas")
+EXPERT_DISPATCHES = ("all_to_all", "ragged_all_to_all")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -96,6 +98,20 @@ class ModelConfig:
     # lax.ragged_dot: GPU/TPU), "blocked" (sorted rows padded into per-expert blocks, batched
     # matmuls: fast on CPUs) or "dense" (every expert on every token, weighted).
     moe_impl: str = "ragged"
+    # Hand-written kernels per op (kernels_pallas/): "reference" (plain jnp, runs everywhere, the
+    # CPU default) or "pallas" (Triton on NVIDIA GPUs, Mosaic on TPUs; moe_impl="pallas" is the
+    # grouped-matmul kernel). attention_impl: prefill/training attention (flash attention, and
+    # gathered top-k attention on DSA layers); indexer_impl: DSA indexer scores fused with top-k;
+    # decode_attention_impl: MLA attention over the paged latent cache.
+    attention_impl: str = "reference"
+    indexer_impl: str = "reference"
+    decode_attention_impl: str = "reference"
+    # Expert parallelism (used when the mesh has an expert axis > 1): tokens travel to the devices
+    # owning their experts with "all_to_all" (fixed-size buffers, every backend) or
+    # "ragged_all_to_all" (GPU/TPU only). Per-device buffer capacity = factor * average load;
+    # 0 means dropless (capacity = the worst case), equal to the unsharded MoE.
+    expert_dispatch: str = "all_to_all"
+    expert_capacity_factor: float = 0.0
 
     # ------------------------------------------------------------------ derived
     @property
@@ -194,6 +210,12 @@ class ModelConfig:
         require(self.param_dtype in DTYPES, "param_dtype", f"must be one of {sorted(DTYPES)}")
         require(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}")
         require(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
+        for field in ("attention_impl", "indexer_impl", "decode_attention_impl"):
+            require(getattr(self, field) in KERNEL_IMPLS, field, f"must be one of {KERNEL_IMPLS}")
+        require(self.expert_dispatch in EXPERT_DISPATCHES, "expert_dispatch",
+                f"must be one of {EXPERT_DISPATCHES}")
+        require(self.expert_capacity_factor == 0 or self.expert_capacity_factor >= 1,
+                "expert_capacity_factor", "must be 0 (dropless) or >= 1")
 
         require(len(self.indexer_types) == self.num_layers, "indexer_types",
                 f"needs one entry per layer ({self.num_layers})")

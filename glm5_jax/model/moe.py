@@ -151,9 +151,17 @@ def routed_experts_ragged(x: jax.Array, weights: jax.Array, experts: jax.Array, 
     return jnp.zeros((num_tokens, x.shape[-1]), dtype).at[token_of_row].add(out)
 
 
-# config.moe_impl -> the routed-expert computation (all three give the same result).
+def routed_experts_pallas(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
+                          up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+    """The ragged path with the Pallas grouped-matmul kernel (kernels_pallas.moe_grouped_matmul)."""
+    from kernels_pallas.moe_grouped_matmul import routed_experts_pallas as kernel
+
+    return kernel(x, weights, experts, gate_proj, up_proj, down_proj)
+
+
+# config.moe_impl -> the routed-expert computation (all give the same result).
 ROUTED_EXPERTS = {"dense": routed_experts_dense, "blocked": routed_experts_blocked,
-                  "ragged": routed_experts_ragged}
+                  "ragged": routed_experts_ragged, "pallas": routed_experts_pallas}
 
 
 class MoE(nn.Module):
