@@ -39,9 +39,14 @@ def load_run(workdir: str | os.PathLike, step: int | None = None):
     return config, state.params
 
 
-def load_any(path: str | os.PathLike):
-    """A run directory or an HF checkpoint directory -> (ModelConfig, params, tokenizer or None)."""
+def load_any(path: str | os.PathLike, quantize: str | None = None):
+    """A run directory or an HF checkpoint directory -> (ModelConfig, params, tokenizer or None).
+
+    quantize: a recipe name (e.g. "fp8", "mixed") or a recipe file path; None keeps the weights as stored.
+    """
     path = Path(path)
+    if quantize is not None:
+        raise NotImplementedError(f"load_any(quantize={quantize!r}): quantization is not implemented yet")
     if is_run_directory(path):
         config, params = load_run(path)
     elif (path / "config.json").exists():
