@@ -67,10 +67,12 @@ class GenerationEvent:
 
     finish_reason: None while generating; "stop" (EOS, a stop token id, or a stop string found
     by the API layer), "length" (max_tokens or the context limit reached) or "abort"
-    (cancelled, or the server shutting down).
+    (cancelled, or the server shutting down). cached_tokens: on the final event, how many
+    prompt tokens were served from the prefix cache (device or host) instead of recomputed.
     """
 
     token_id: int | None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: str | None = None
+    cached_tokens: int = 0
