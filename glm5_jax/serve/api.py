@@ -1,10 +1,13 @@
-"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health.
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics (Prometheus).
 
 Requests become SamplingParams and token ids for the engine; engine events become text here:
 incremental detokenisation that never emits half a UTF-8 character, stop strings (cut before the
 match, engine request cancelled), and EOS / stop-token text kept out of the output. Every error is
 an OpenAI-style JSON body ({"error": {"message", "type", "param", "code"}}) and never a 500 for a
-bad request; a client that goes away cancels its engine request.
+bad request; a client that goes away cancels its engine request. Model-id aliases, API keys and
+their per-minute limits come from the server config (server_config.py); a request over a limit is
+answered 429 with Retry-After (limits.py).
 """
 
 from __future__ import annotations
@@ -28,30 +31,39 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from glm5_jax.serve.accounting import AccountedGeneration
 from glm5_jax.serve.chat import ChatRenderer
+from glm5_jax.serve.limits import RateLimited, RateLimiter
+from glm5_jax.serve.metrics import CONTENT_TYPE, ServerMetrics, count_requests
+from glm5_jax.serve.server_config import ApiKey, ServerConfig
 from glm5_jax.serve.textstream import Generation, Piece
 from glm5_jax.serve.types import MAX_TOP_LOGPROBS, GenerationEvent, InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 MAX_COMPLETION_LOGPROBS = 5  # the OpenAI limit for /v1/completions; chat allows top_logprobs up to 20
 SYSTEM_FINGERPRINT = "glm5-jax"
+# Endpoints counted by name in glm5_requests_total; anything else is "other" (bounded label values).
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 class APIError(Exception):
     """An error answered as {"error": {...}} with the given HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = dict(headers or {})
 
 
 def _error_body(message: str, kind="invalid_request_error", param=None, code=None) -> dict:
     return {"message": message, "type": kind, "param": param, "code": code}
 
 
-def _error_response(status: int, message: str, param=None, code=None, kind="invalid_request_error"):
-    return JSONResponse({"error": _error_body(message, kind, param, code)}, status_code=status)
+def _error_response(status: int, message: str, param=None, code=None, kind="invalid_request_error",
+                    headers=None):
+    return JSONResponse({"error": _error_body(message, kind, param, code)}, status_code=status,
+                        headers=headers)
 
 
 # ---------------------------------------------------------------- request bodies
@@ -76,6 +88,7 @@ class _SamplingRequest(BaseModel):
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None  # {"include_usage": bool}
     logit_bias: dict[str, float] | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens
 
 
 class CompletionRequest(_SamplingRequest):
@@ -172,33 +185,55 @@ def _chat_logprobs(tokenizer, events: list[GenerationEvent]) -> dict:
                          "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs]} for e in events]}
 
 
+def _bearer_token(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
 # ---------------------------------------------------------------- the app
 def create_app(engine, model_id: str, *, api_key: str | None = None, chat_template: str | None = None,
-               special_tokens: Mapping[str, str] | None = None) -> FastAPI:
-    """The API app for `engine` serving `model_id`.
+               special_tokens: Mapping[str, str] | None = None, server_config: ServerConfig | None = None,
+               metrics: ServerMetrics | None = None, clock=time.monotonic):
+    """The API app (an ASGI callable wrapping the FastAPI app) for `engine` serving `model_id`.
 
-    api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`.
+    api_key: when set, /v1/* requires `Authorization: Bearer <api_key>` (at the default limits).
     chat_template: the checkpoint's Jinja chat template (chat.load_chat_template); None uses the
     built-in GLM-5 format. special_tokens: bos_token / eos_token ... for the template (defaults to
     eos_token from the engine's first EOS id).
+    server_config: model aliases, API keys and their limits (server_config.load_server_config).
+    metrics: the ServerMetrics also given to the engine as its observer; None makes one that only
+    sees the HTTP layer. clock: the rate limiter's clock (seconds), for tests.
     """
+    config = server_config or ServerConfig()
+    metrics = metrics or ServerMetrics()
     tokenizer = engine.tokenizer
     eos_token = {"eos_token": tokenizer.id_to_token(engine.eos_token_ids[0])} if engine.eos_token_ids else {}
     renderer = ChatRenderer(chat_template, {**eos_token, **dict(special_tokens or {})})
     app = FastAPI(title="glm5-jax", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
+    keys = list(config.api_keys)
+    if api_key is not None and all(k.key != api_key for k in keys):
+        keys.append(ApiKey(name="api-key", key=api_key, limits=config.default_limits))
+    require_key = bool(keys) and config.require_api_key
+    limiter = RateLimiter(keys, config.default_limits, clock)
+    names = dict.fromkeys((model_id, *config.model_aliases))  # ordered, no duplicates
 
     async def check_api_key(request: Request):
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        """Finds the caller's key entry (request.state.caller); unknown keys get the default limits."""
+        token = _bearer_token(request)
+        # compare_digest against every key: the time taken does not tell which key almost matched.
+        matches = [k for k in keys if token is not None
+                   and secrets.compare_digest(token.encode(), k.key.encode())]
+        if not matches and require_key:
             raise APIError(401, "Missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
+        default = ApiKey("default", token or "", config.default_limits)
+        request.state.caller = matches[0] if matches else default
 
-    def check_model(model: str | None):
-        if model is not None and model != model_id:
-            raise APIError(404, f"The model {model!r} does not exist; this server serves {model_id!r}",
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in names:
+            served = ", ".join(repr(name) for name in names)
+            raise APIError(404, f"The model {model!r} does not exist; this server serves {served}",
                            "model", "model_not_found")
 
     def check_token_ids(token_ids, param: str) -> None:
@@ -232,16 +267,42 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         params.validate()
         return params
 
-    def start(prompt_ids: list[int], params: SamplingParams, param: str) -> Generation:
-        """Submits to the engine after checking the prompt fits (the engine would also refuse)."""
+    def rejected(reason: str, message: str, param: str, code: str | None = None) -> APIError:
+        metrics.rejected.labels(reason).inc()
+        return APIError(400, message, param, code)
+
+    def start(request: Request, body: _SamplingRequest, prompt_ids: list[int], params: SamplingParams,
+              param: str) -> AccountedGeneration:
+        """Submits to the engine after checking the prompt fits (the engine would also refuse) and the
+        caller's rate limits (reserving prompt + the most output tokens the request may produce)."""
+        keep = body.truncate_prompt_tokens
+        if keep is not None and keep < 1:
+            raise APIError(400, f"truncate_prompt_tokens must be >= 1, got {keep}", "truncate_prompt_tokens")
+        if keep is not None and len(prompt_ids) > keep:
+            prompt_ids = prompt_ids[-keep:]
+            metrics.truncated.inc()
         if not prompt_ids:
-            raise APIError(400, f"{param} must not be empty", param)
+            raise rejected("empty", f"{param} must not be empty", param)
         if len(prompt_ids) >= engine.max_context:
-            raise APIError(400, f"The prompt ({param}) has {len(prompt_ids)} tokens, but this server's "
-                                f"context limit is {engine.max_context} tokens for prompt and output "
-                                f"together; shorten it to at most {engine.max_context - 1} tokens",
+            raise rejected("context_length_exceeded",
+                           f"The prompt ({param}) has {len(prompt_ids)} tokens, but this server's context "
+                           f"limit is {engine.max_context} tokens for prompt and output together; shorten "
+                           f"it to at most {engine.max_context - 1} tokens (or send truncate_prompt_tokens)",
                            param, "context_length_exceeded")
-        return Generation(engine, prompt_ids, params)
+        caller = request.state.caller
+        most_tokens = len(prompt_ids) + min(params.max_tokens, engine.max_context - len(prompt_ids))
+        try:
+            reservation = limiter.acquire(caller.key, most_tokens)
+        except RateLimited as exc:
+            metrics.rate_limited.labels(exc.limit, caller.name).inc()
+            headers = {} if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+            raise APIError(429, exc.message, None, "rate_limit_exceeded", "rate_limit_error",
+                           headers) from None
+        try:
+            return AccountedGeneration(engine, prompt_ids, params, reservation, metrics)
+        except BaseException:
+            reservation.settle(0)  # refused by the engine: nothing to charge but the request
+            raise
 
     v1 = APIRouter(dependencies=[Depends(check_api_key)])
     created = int(time.time())
@@ -251,10 +312,17 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         # The compile count shows recompilation in steady state (it should stop growing).
         return {"status": "ok", "compile_count": engine.compile_count}
 
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        # Like /health, no API key: scrapers sit next to the server (docs/serving.md).
+        metrics.compile_count.set(engine.compile_count)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
     @v1.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "glm5-jax"}]}
+        # Aliases are listed as models of their own whose "root" is the canonical id.
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "glm5-jax", "root": model_id} for name in names]}
 
     @v1.post("/v1/completions")
     async def completions(request: Request):
@@ -280,7 +348,7 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         else:
             check_token_ids(prompt, "prompt")
             prompt_ids = list(prompt)
-        generation = start(prompt_ids, params, "prompt")
+        generation = start(request, body, prompt_ids, params, "prompt")
         echo = tokenizer.decode(prompt_ids) if body.echo else ""
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_id, "system_fingerprint": SYSTEM_FINGERPRINT}
@@ -326,7 +394,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
             raise APIError(400, f"messages: the chat template rejected the conversation: {exc}",
                            "messages") from exc
         # The template already wrote the special tokens ([gMASK]<sop>, ...): add none of our own.
-        generation = start(tokenizer.encode(prompt, add_special_tokens=False).ids, params, "messages")
+        generation = start(request, body, tokenizer.encode(prompt, add_special_tokens=False).ids, params,
+                           "messages")
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": model_id, "system_fingerprint": SYSTEM_FINGERPRINT}
 
@@ -350,15 +419,18 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         return await _respond(request, body, generation, base, first, chunks, response)
 
     app.include_router(v1)
-    return app
+    return count_requests(app, metrics, ENDPOINTS)
 
 
-async def _respond(request: Request, body: _SamplingRequest, generation: Generation, base: dict,
+async def _respond(request: Request, body: _SamplingRequest, generation: AccountedGeneration, base: dict,
                    first_chunks: list[dict], chunks, response):
     """Streams SSE chunks (first_chunks, then chunks(piece) for each piece, the usage chunk when asked,
     then [DONE]) or waits for the whole output and returns response(text, events)."""
     if not body.stream:
-        result = await _collect(request, generation)
+        try:
+            result = await _collect(request, generation)
+        finally:
+            generation.close()
         # 499: nobody is listening any more (the engine request was cancelled).
         return Response(status_code=499) if result is None else response(*result)
     include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -379,6 +451,8 @@ async def _respond(request: Request, body: _SamplingRequest, generation: Generat
         except Exception as exc:  # the engine failed mid-stream: too late for a status code
             logger.exception("request %s failed", base["id"])
             yield f"data: {json.dumps({'error': _error_body(str(exc), 'server_error')})}\n\n"
+        finally:
+            generation.close()
         if include_usage:
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': generation.usage()})}\n\n"
         yield "data: [DONE]\n\n"
@@ -389,7 +463,7 @@ async def _respond(request: Request, body: _SamplingRequest, generation: Generat
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
-        return _error_response(exc.status, exc.message, exc.param, exc.code, exc.kind)
+        return _error_response(exc.status, exc.message, exc.param, exc.code, exc.kind, exc.headers)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_, exc: InvalidRequestError):

@@ -1,0 +1,138 @@
+"""Requests-per-minute and tokens-per-minute limits per API key, over a sliding one-minute window.
+
+Accounting rule (documented in docs/serving.md): a request is admitted only if, counting the
+requests and tokens of every request admitted in the last 60 seconds, one more request and its
+*reservation* (prompt tokens + the most output tokens it may produce) still fit the key's limits.
+When the request ends, its reservation is settled to what it really used (prompt + completion
+tokens), keeping its admission time: unused output budget is given back, and usage is never
+under-counted while a request is running. A request larger than the whole token limit can never
+be admitted and is refused without a retry time.
+
+Thread-safe (one lock); the clock is injectable so tests move time instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from glm5_jax.serve.server_config import ApiKey, Limits
+
+WINDOW_SECONDS = 60.0
+UNLIMITED = Limits()
+
+
+class RateLimited(Exception):
+    """Over a limit. retry_after: whole seconds until the request would fit (None: it never will)."""
+
+    def __init__(self, message: str, limit: str, retry_after: int | None):
+        super().__init__(message)
+        self.message, self.limit, self.retry_after = message, limit, retry_after
+
+
+@dataclasses.dataclass
+class _Entry:
+    time: float
+    tokens: int
+
+
+class Reservation:
+    """One admitted request's place in its key's window; settle() once with the real usage."""
+
+    def __init__(self, limiter: RateLimiter | None, entry: _Entry | None):
+        self._limiter, self._entry = limiter, entry
+
+    def settle(self, tokens: int) -> None:
+        if self._entry is not None and self._limiter is not None:
+            with self._limiter._lock:
+                self._entry.tokens = max(0, int(tokens))
+            self._entry = None
+
+
+class RateLimiter:
+    """Per-key sliding-window limits.
+
+    keys: the configured API keys with their limits; default: the limits of any other key
+    (including the anonymous "" key). clock: seconds, monotonic (time.monotonic by default).
+    """
+
+    def __init__(self, keys: Iterable[ApiKey] = (), default: Limits = UNLIMITED,
+                 clock: Callable[[], float] = time.monotonic):
+        self._limits = {k.key: k.limits for k in keys}
+        self._default = default
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._windows: dict[str, collections.deque[_Entry]] = {}
+        self._last_sweep = clock()
+
+    def limits_for(self, key: str) -> Limits:
+        return self._limits.get(key, self._default)
+
+    def tracked_keys(self) -> int:
+        """Keys with requests in the window (bounded by the active keys; tests check memory with it)."""
+        with self._lock:
+            return len(self._windows)
+
+    def acquire(self, key: str, tokens: int) -> Reservation:
+        """Admits one request reserving `tokens`, or raises RateLimited with the retry time."""
+        limits = self.limits_for(key)
+        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+        if rpm is None and tpm is None:
+            return Reservation(None, None)
+        if tpm is not None and tokens > tpm:
+            raise RateLimited(f"This request needs up to {tokens} tokens (prompt + max_tokens), more than "
+                              f"this key's limit of {tpm} tokens per minute; lower max_tokens or shorten "
+                              "the prompt", "tokens", None)
+        with self._lock:
+            now = self._clock()
+            self._sweep(now)
+            window = self._windows.setdefault(key, collections.deque())
+            while window and window[0].time <= now - WINDOW_SECONDS:
+                window.popleft()
+            if rpm is not None and len(window) >= rpm:
+                # The oldest request leaving the window frees one slot.
+                wait = window[len(window) - rpm].time + WINDOW_SECONDS - now
+                self._drop_if_empty(key)
+                raise RateLimited(f"Rate limit reached: {rpm} requests per minute for this API key; "
+                                  f"retry in {math.ceil(wait)} s", "requests", _seconds(wait))
+            used = sum(entry.tokens for entry in window)
+            if tpm is not None and used + tokens > tpm:
+                wait = _token_wait(window, used + tokens - tpm, now)
+                self._drop_if_empty(key)
+                raise RateLimited(f"Rate limit reached: {tpm} tokens per minute for this API key "
+                                  f"({used} used in the last minute, this request needs up to {tokens}); "
+                                  f"retry in {math.ceil(wait)} s", "tokens", _seconds(wait))
+            entry = _Entry(now, int(tokens))
+            window.append(entry)
+            return Reservation(self, entry)
+
+    def _sweep(self, now: float) -> None:
+        # Once a minute, forget keys with nothing in the window: any key string may arrive when
+        # require_api_key is off, and their windows must not pile up.
+        if now - self._last_sweep < WINDOW_SECONDS:
+            return
+        self._last_sweep = now
+        for key in [k for k, w in self._windows.items() if not w or w[-1].time <= now - WINDOW_SECONDS]:
+            del self._windows[key]
+
+    def _drop_if_empty(self, key: str) -> None:
+        if not self._windows.get(key):
+            self._windows.pop(key, None)
+
+
+def _token_wait(window: collections.deque[_Entry], excess: int, now: float) -> float:
+    """Seconds until entries holding at least `excess` tokens have left the window."""
+    freed = 0
+    for entry in window:
+        freed += entry.tokens
+        if freed >= excess:
+            return entry.time + WINDOW_SECONDS - now
+    return WINDOW_SECONDS  # unreachable while the request alone fits the limit
+
+
+def _seconds(wait: float) -> int:
+    return max(1, math.ceil(wait))
