@@ -6,16 +6,25 @@ ends the output with "stop" (that token is yielded, as the real engine does). Ea
 after a small asyncio sleep so that clients can disconnect midway, and at most max_slots requests
 run at once (the rest wait), like the real engine's batch slots. Every stream is recorded in
 `engine.streams` so tests can check cancellations.
+
+A toy prefix cache: a prompt's cached_tokens are its longest prefix of whole `page_size` pages that
+an earlier prompt also started with. The engine's observer hooks are called like the real engine's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import socket
+import threading
+import time
 
 import tokenizers
+import uvicorn
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from glm5_jax.serve.observer import EngineObserver
 from glm5_jax.serve.types import GenerationEvent, InvalidRequestError, SamplingParams
 
 EOS = "<|endoftext|>"
@@ -53,6 +62,8 @@ class FakeStream:
         self.cancel_calls = 0
         self.finish_reason: str | None = None
         self.token_ids: list[int] = []
+        self.cached_tokens = engine.lookup_prefix(self.prompt_ids)
+        self.submitted = time.monotonic()
 
     @property
     def cancelled(self) -> bool:
@@ -70,7 +81,9 @@ class FakeStream:
 
     async def __aiter__(self):
         limit = min(self.params.max_tokens, self.engine.max_context - self.prompt_tokens)
+        observer = self.engine.observer
         async with self.engine.slots():
+            observer.on_admitted(self.request_id, time.monotonic() - self.submitted, self.cached_tokens)
             script = self._script()
             for step in range(limit):
                 if self.cancelled:
@@ -82,28 +95,39 @@ class FakeStream:
                     raise RuntimeError("the fake device fell over")
                 token = next(script)
                 self.token_ids.append(token)
+                if step == 0:
+                    observer.on_first_token(self.request_id, time.monotonic() - self.submitted)
                 ends = token in self.params.stop_token_ids or (
                     token in self.engine.eos_token_ids and not self.params.ignore_eos)
                 finish = "stop" if ends else ("length" if step == limit - 1 else None)
                 yield self._event(token, finish)
                 if finish:
                     return
-            self.finish_reason = "abort"
-            yield GenerationEvent(token_id=None, finish_reason="abort")
+            self._finished("abort")
+            yield GenerationEvent(token_id=None, finish_reason="abort", cached_tokens=self.cached_tokens)
+
+    def _finished(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.engine.observer.on_finished(self.request_id, reason, self.prompt_tokens, self.cached_tokens,
+                                         len(self.token_ids), time.monotonic() - self.submitted)
 
     def _event(self, token: int, finish: str | None) -> GenerationEvent:
         self.finish_reason = finish
+        if finish:
+            self._finished(finish)
         count = self.params.logprobs or 0
         vocab = self.engine.tokenizer.get_vocab_size()
         top = tuple(((token + i) % vocab, -0.5 - i) for i in range(count))
-        return GenerationEvent(token_id=token, logprob=-0.5, top_logprobs=top, finish_reason=finish)
+        return GenerationEvent(token_id=token, logprob=-0.5, top_logprobs=top, finish_reason=finish,
+                               cached_tokens=self.cached_tokens if finish else 0)
 
 
 class FakeEngine:
     """Implements the Engine interface the API codes against (see glm5_jax/serve/engine.py)."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer | None = None, *, max_context: int = 128,
-                 max_slots: int = 8, delay: float = 0.001, fail_after: int | None = None):
+                 max_slots: int = 8, delay: float = 0.001, fail_after: int | None = None,
+                 page_size: int = 4, observer: EngineObserver | None = None):
         self.tokenizer = tokenizer or make_tokenizer()
         self.max_context = max_context
         self.eos_token_ids = (self.tokenizer.token_to_id(EOS),)
@@ -113,6 +137,22 @@ class FakeEngine:
         self.streams: list[FakeStream] = []
         self._semaphore: asyncio.Semaphore | None = None
         self._ids = itertools.count()
+        self.page_size = page_size
+        self.observer = observer or EngineObserver()
+        self._pages: set[tuple[int, ...]] = set()  # every whole-page prefix seen so far
+
+    def lookup_prefix(self, prompt_ids: list[int]) -> int:
+        """Cached tokens for this prompt (whole pages seen before, never the last token), then caches it."""
+        usable = (len(prompt_ids) - 1) // self.page_size * self.page_size
+        prefixes = [tuple(prompt_ids[:end]) for end in range(self.page_size, usable + 1, self.page_size)]
+        hit = 0
+        for prefix in prefixes:
+            if prefix not in self._pages:
+                break
+            hit = len(prefix)
+        self._pages.update(prefixes)
+        self.observer.on_prefix_lookup(len(prompt_ids), hit)
+        return hit
 
     @property
     def compile_count(self) -> int:
@@ -130,10 +170,34 @@ class FakeEngine:
         if len(prompt_ids) >= self.max_context:
             raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; at most {self.max_context - 1}")
         params.validate()
-        stream = FakeStream(self, f"fake-{next(self._ids)}", prompt_ids, params)
+        request_id = f"fake-{next(self._ids)}"
+        self.observer.on_queued(request_id, len(prompt_ids))
+        stream = FakeStream(self, request_id, prompt_ids, params)
         self.streams.append(stream)
         return stream
 
     def shutdown(self) -> None:
         for stream in self.streams:
             stream.cancel()
+
+
+@contextlib.contextmanager
+def running(app):
+    """Serves `app` with uvicorn on a free 127.0.0.1 port in a daemon thread; yields the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", backlog=512,
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

@@ -4,18 +4,14 @@ openai client (sync and async) and raw httpx for what the client cannot send (ma
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
-import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from fake_engine import FakeEngine, make_tokenizer
+from fake_engine import FakeEngine, make_tokenizer, running
 
 from glm5_jax.serve.api import create_app
 from glm5_jax.serve.chat import ChatRenderer, load_chat_template, load_special_tokens, render_glm5
@@ -23,28 +19,6 @@ from glm5_jax.serve.chat import ChatRenderer, load_chat_template, load_special_t
 MODEL = "glm5-test"
 KEY = "sk-test-key"
 TOKENIZER = make_tokenizer()
-
-
-@contextlib.contextmanager
-def running(app):
-    """Serves `app` with uvicorn on a free 127.0.0.1 port in a daemon thread; yields the base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", backlog=512,
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
