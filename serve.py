@@ -7,7 +7,9 @@
 The checkpoint is an HF-layout directory (config.json, safetensors, tokenizer.json and optionally
 a chat template) or a train.py run directory (checkpoints/, tokenizer.json). Any OpenAI client
 works: point its base_url at http://HOST:PORT/v1 and use the served model id (by default the
-checkpoint directory's name).
+checkpoint directory's name) or one of its aliases. `--server-config FILE` (configs/serve_example.py)
+gives aliases, API keys and per-key rate limits; /metrics serves Prometheus metrics. See
+docs/serving.md.
 """
 
 from __future__ import annotations
@@ -38,6 +40,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="requests decoded together in one batch; more wait in a queue (default: 8)")
     parser.add_argument("--max-context", type=int, default=1024,
                         help="most tokens (prompt + output) of one request (default: 1024)")
+    parser.add_argument("--server-config", default=None,
+                        help="server config file: model aliases, API keys and their per-minute limits "
+                             "(a get_config() Python file like configs/serve_example.py, or .json)")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="tokens per cache page; prefix caching reuses whole pages (default: 16)")
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="device cache pages in all (default: the engine's choice)")
+    parser.add_argument("--token-budget", type=int, default=256,
+                        help="most tokens one engine step processes, prefill chunks and decodes together "
+                             "(default: 256)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse cached pages of earlier prompts with the same prefix (default: on)")
+    parser.add_argument("--noprefix-caching", dest="prefix_caching", action="store_false",
+                        help="same as --no-prefix-caching")
+    parser.add_argument("--host-cache-pages", type=int, default=0,
+                        help="host-memory pages that evicted prefix pages are offloaded to (default: 0, "
+                             "no offload)")
+    parser.add_argument("--quantize", default=None, metavar="RECIPE",
+                        help="quantize the weights on load with this recipe name or file "
+                             "(glm5_jax.runs.load_any; default: as stored)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn log level (default: info)")
@@ -46,7 +68,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--max-slots must be >= 1, got {args.max_slots}")
     if args.max_context < 2:
         parser.error(f"--max-context must be >= 2, got {args.max_context}")
+    for flag, value, least in (("--page-size", args.page_size, 1), ("--num-pages", args.num_pages, 1),
+                               ("--token-budget", args.token_budget, 1),
+                               ("--host-cache-pages", args.host_cache_pages, 0)):
+        if value is not None and value < least:
+            parser.error(f"{flag} must be >= {least}, got {value}")
     return args
+
+
+def read_server_config(path: str | None):
+    """The server config (defaults when no file is given); exits with the field at fault."""
+    from glm5_jax.model.config import ConfigError
+    from glm5_jax.serve.server_config import ServerConfig, ServerConfigError, load_server_config
+
+    if path is None:
+        return ServerConfig()
+    try:
+        return load_server_config(path)
+    except (ServerConfigError, ConfigError) as exc:
+        sys.exit(f"error: --server-config: {exc}")
 
 
 def resolve_checkpoint(checkpoint: str | None) -> Path:
@@ -65,6 +105,7 @@ def resolve_checkpoint(checkpoint: str | None) -> Path:
 def main(argv=None) -> None:
     args = parse_args(argv)
     checkpoint = resolve_checkpoint(args.checkpoint)
+    server_config = read_server_config(args.server_config)  # before the slow model load
     # Imported here: loading JAX and the model is slow, and `--help` should not need it.
     import uvicorn
 
@@ -72,21 +113,30 @@ def main(argv=None) -> None:
     from glm5_jax.serve.api import create_app
     from glm5_jax.serve.chat import load_chat_template, load_special_tokens
     from glm5_jax.serve.engine import Engine, warm_up
+    from glm5_jax.serve.metrics import ServerMetrics
 
+    # quantize is passed only when asked for, so loading works with any load_any.
+    load_options = {} if args.quantize is None else {"quantize": args.quantize}
     try:
-        config, params, tokenizer = load_any(checkpoint)
+        config, params, tokenizer = load_any(checkpoint, **load_options)
     except RunNotFoundError as exc:
         sys.exit(f"error: {exc}")
     if tokenizer is None:
         sys.exit(f"error: {checkpoint} has no tokenizer.json; the server needs it to read and write text")
-    model_id = args.model_id or checkpoint.resolve().name
-    engine = Engine(config, params, tokenizer, max_slots=args.max_slots, max_context=args.max_context)
+    model_id = args.model_id or server_config.model_id or checkpoint.resolve().name
+    metrics = ServerMetrics()
+    engine = Engine(config, params, tokenizer, max_slots=args.max_slots, max_context=args.max_context,
+                    page_size=args.page_size, num_pages=args.num_pages, token_budget=args.token_budget,
+                    prefix_caching=args.prefix_caching, host_cache_pages=args.host_cache_pages,
+                    observer=metrics)
     app = create_app(engine, model_id, api_key=args.api_key, chat_template=load_chat_template(checkpoint),
-                     special_tokens=load_special_tokens(checkpoint))
-    print("compiling the decode step and the first prefill bucket...", flush=True)
+                     special_tokens=load_special_tokens(checkpoint), server_config=server_config,
+                     metrics=metrics)
+    print("compiling the engine step...", flush=True)
     warm_up(engine)
-    print(f"serving {model_id!r} from {checkpoint} at http://{args.host}:{args.port}/v1 "
-          f"(max_context {engine.max_context}, {args.max_slots} slots)", flush=True)
+    aliases = f" (aliases: {', '.join(server_config.model_aliases)})" if server_config.model_aliases else ""
+    print(f"serving {model_id!r}{aliases} from {checkpoint} at http://{args.host}:{args.port}/v1 "
+          f"(max_context {engine.max_context}, {args.max_slots} slots, metrics at /metrics)", flush=True)
     try:
         # A short graceful shutdown: open streams are then cancelled, which frees their engine slots.
         # No lifespan: the app has no startup work, and the engine is shut down here.

@@ -446,3 +446,16 @@ def test_serve_cli_defaults_and_missing_demo_run(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         serve.parse_args(["--max-slots", "0"])
     assert "--max-slots must be >= 1" in capsys.readouterr().err
+    args = serve.parse_args(["--noprefix-caching", "--page-size", "8", "--num-pages", "64", "--token-budget",
+                             "128", "--host-cache-pages", "32", "--quantize", "fp8"])
+    assert (args.prefix_caching, args.page_size, args.num_pages, args.token_budget, args.host_cache_pages,
+            args.quantize) == (False, 8, 64, 128, 32, "fp8")
+    assert serve.parse_args(["--no-prefix-caching"]).prefix_caching is False
+    assert serve.parse_args([]).prefix_caching is True and serve.parse_args([]).num_pages is None
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--host-cache-pages", "-1"])
+    assert "--host-cache-pages must be >= 0" in capsys.readouterr().err
+    (tmp_path / "server.json").write_text('{"model_aliasses": []}')
+    with pytest.raises(SystemExit) as exited:
+        serve.main(["--checkpoint", str(tmp_path), "--server-config", str(tmp_path / "server.json")])
+    assert "unknown field(s) ['model_aliasses']" in str(exited.value.code)
