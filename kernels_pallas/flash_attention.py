@@ -63,25 +63,25 @@ def visible(query_pos, query_seg, key_pos, key_seg, window: int):
     return allowed
 
 
-def online_softmax_step(m, l, acc, logits, allowed, value):
+def online_softmax_step(m, norm, acc, logits, allowed, value):
     """One key block of the online softmax.
 
-    m, l: [rows, 1] running max and normaliser; acc: [rows, Hv] float32; logits: [rows, cols]
-    float32 (already scaled); allowed: bool [rows, cols]; value: [cols, Hv]. Returns new (m, l, acc).
+    m, norm: [rows, 1] running max and normaliser; acc: [rows, Hv] float32; logits: [rows, cols]
+    float32 (already scaled); allowed: bool [rows, cols]; value: [cols, Hv]. Returns new (m, norm, acc).
     """
     logits = jnp.where(allowed, logits, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1, keepdims=True))
     # where(), not exp alone: a fully masked row has logits == m_new and would count as 1.
     probs = jnp.where(allowed, jnp.exp(logits - m_new), 0.0)
     alpha = jnp.exp(m - m_new)
-    l_new = alpha * l + jnp.sum(probs, axis=1, keepdims=True)
+    norm_new = alpha * norm + jnp.sum(probs, axis=1, keepdims=True)
     acc_new = alpha * acc + jnp.dot(probs.astype(value.dtype), value, preferred_element_type=jnp.float32)
-    return m_new, l_new, acc_new
+    return m_new, norm_new, acc_new
 
 
-def finish_softmax(l, acc):
-    """acc / l, with 0 for rows that saw no key (l == 0)."""
-    return acc / jnp.where(l > 0, l, 1.0)
+def finish_softmax(norm, acc):
+    """acc / norm, with 0 for rows that saw no key (norm == 0)."""
+    return acc / jnp.where(norm > 0, norm, 1.0)
 
 
 def dot_nt(a, b):
@@ -126,9 +126,9 @@ def _forward_kernel(bounds_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, q_ref, k
     rows = q.shape[0]
     init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, v_ref.shape[-1]), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
-    o_ref[...] = finish_softmax(l, acc).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), BIG_LSE)
+    m, norm, acc = jax.lax.fori_loop(lo, hi, body, init)
+    o_ref[...] = finish_softmax(norm, acc).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(norm > 0, m + jnp.log(jnp.where(norm > 0, norm, 1.0)), BIG_LSE)
 
 
 def _dq_kernel(bounds_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref,
@@ -462,3 +462,78 @@ def flash_attention_reference(query, key, value, query_positions, key_positions,
     probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
     return jnp.einsum("BNTS,BSNH->BTNH", probs.astype(value.dtype), value,
                       preferred_element_type=jnp.float32).astype(query.dtype)
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+
+def _attention_problem(key, *, batch, length, heads, head_dim, value_dim, dtype):
+    """Causal single-document inputs: (query, key, value, positions, positions, segments, segments)."""
+    kq, kk, kv = jax.random.split(key, 3)
+    query = jax.random.normal(kq, (batch, length, heads, head_dim), jnp.float32).astype(dtype)
+    keys = jax.random.normal(kk, (batch, length, heads, head_dim), jnp.float32).astype(dtype)
+    value = jax.random.normal(kv, (batch, length, heads, value_dim), jnp.float32).astype(dtype)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    segments = jnp.zeros((batch, length), jnp.int32)
+    return query, keys, value, positions, positions, segments, segments
+
+
+def _visible_pairs(length: int, window: int) -> int:
+    """Query-key pairs a causal (optionally windowed) attention over one document computes."""
+    if not window:
+        return length * (length + 1) // 2
+    return sum(min(t + 1, window) for t in range(length))
+
+
+def _with_gradients(attention, **options):
+    """(inputs) -> (dq, dk, dv) of the sum of outputs: one forward and one backward pass."""
+    def run(query, key, value, *masks):
+        loss = lambda q, k, v: attention(q, k, v, *masks, **options).astype(jnp.float32).sum()  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(query, key, value)
+    return run
+
+
+def _cudnn_attention(query, key, value, *masks):
+    """jax.nn.dot_product_attention, cuDNN's fused kernel on a GPU (plain XLA elsewhere, so the
+    small CPU smoke run works). Causal with no packing, the only mask the case uses."""
+    implementation = "cudnn" if jax.default_backend() == "gpu" else None
+    return jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation=implementation)
+
+
+def benchmark_cases(small: bool = False) -> list[KernelCase]:
+    """Causal MLA-shaped attention (H = Hv = 256, bf16) at T = S = 4096, forward and forward +
+    backward, a sliding-window case, and one case against cuDNN at H = 128 (cuDNN's fused flash
+    attention takes head dims up to 128 on every recent cuDNN; 256 needs cuDNN >= 9.5 on Hopper).
+    Backward FLOPs count as 2.5x the forward's (the usual convention; the kernels recompute
+    probabilities, so they do ~3.5x). small: tiny float32 shapes for the interpreter."""
+    if small:
+        problems = [("flash small", 1, 64, 2, 32, 32, 0), ("flash small window=16", 1, 64, 2, 32, 32, 16)]
+        dtype, grad_problems, cudnn_problem = jnp.float32, problems[:1], ("small", 1, 64, 2, 32)
+    else:
+        problems = [("flash N=16", 1, 4096, 16, 256, 256, 0), ("flash N=64", 1, 4096, 64, 256, 256, 0),
+                    ("flash N=16 window=1024", 1, 4096, 16, 256, 256, 1024)]
+        dtype, grad_problems, cudnn_problem = jnp.bfloat16, problems[:1], ("N=16", 1, 4096, 16, 128)
+    itemsize = jnp.dtype(dtype).itemsize
+    cases = []
+    for name, batch, length, heads, head_dim, value_dim, window in problems:
+        make = functools.partial(_attention_problem, batch=batch, length=length, heads=heads,
+                                 head_dim=head_dim, value_dim=value_dim, dtype=dtype)
+        flops = 2.0 * batch * heads * _visible_pairs(length, window) * (head_dim + value_dim)
+        bytes_moved = batch * length * heads * (2 * head_dim + 2 * value_dim) * itemsize
+        label = f"{name} B={batch} T=S={length} H={head_dim}"
+        kernel = functools.partial(flash_attention, sliding_window=window)
+        reference = functools.partial(flash_attention_reference, sliding_window=window)
+        cases.append(KernelCase(label + " fwd", make, reference, kernel, flops, bytes_moved))
+        if (name, batch, length, heads, head_dim, value_dim, window) in grad_problems:
+            grads = functools.partial(_with_gradients, sliding_window=window)
+            cases.append(KernelCase(label + " fwd+bwd", make, grads(flash_attention_reference),
+                                    grads(flash_attention), 3.5 * flops, 3 * bytes_moved,
+                                    atol=5e-2, rtol=5e-2))
+    name, batch, length, heads, head_dim = cudnn_problem
+    make = functools.partial(_attention_problem, batch=batch, length=length, heads=heads,
+                             head_dim=head_dim, value_dim=head_dim, dtype=dtype)
+    cases.append(KernelCase(f"flash vs cudnn causal {name} B={batch} T=S={length} H={head_dim} fwd", make,
+                            _cudnn_attention, flash_attention,
+                            4.0 * batch * heads * _visible_pairs(length, 0) * head_dim,
+                            4 * batch * length * heads * head_dim * itemsize))
+    return cases

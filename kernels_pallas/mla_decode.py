@@ -26,8 +26,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.common import KernelCase, call_options, resolve_backend
-from kernels_pallas.flash_attention import (NEG_INF, dot_nt, finish_softmax, online_softmax_step,
-                                            scalar_spec, triton_dim)
+from kernels_pallas.flash_attention import (
+    NEG_INF,
+    dot_nt,
+    finish_softmax,
+    online_softmax_step,
+    scalar_spec,
+    triton_dim,
+)
 
 __all__ = ["mla_decode_attention", "mla_decode_reference", "benchmark_cases"]
 
@@ -100,8 +106,8 @@ def _decode_kernel(*refs, scale, page_size, max_pages, num_queries, has_topk, dm
     rows = q_latent.shape[0]
     init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, latent_ref.shape[-1]), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, counts_ref[query], body, init)
-    out_ref[...] = finish_softmax(l, acc)
+    _, norm, acc = jax.lax.fori_loop(0, counts_ref[query], body, init)
+    out_ref[...] = finish_softmax(norm, acc)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -222,3 +228,67 @@ def mla_decode_reference(q_latent, q_rope, latent_pages, rope_pages, block_table
     probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
     return jnp.einsum("BNTS,BSR->BTNR", probs.astype(latent.dtype), latent,
                       preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+
+def _decode_problem(key, *, batch, lengths, heads, rank, rope_dim, page_size, topk_pages, dtype):
+    """Random queries and cache, pages in shuffled physical order; query t of sequence b sits at
+    position lengths[b] - 1. With topk_pages, the top-k is every position of `topk_pages` random
+    visible pages per query (DSA picks clustered positions). Returns the kernel's positional args."""
+    max_pages = -(-max(lengths) // page_size)
+    num_pages = batch * max_pages
+    keys = jax.random.split(key, 6)
+    normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dtype)  # noqa: E731
+    q_latent, q_rope = normal(keys[0], (batch, 1, heads, rank)), normal(keys[1], (batch, 1, heads, rope_dim))
+    latent_pages = normal(keys[2], (num_pages, page_size, rank))
+    rope_pages = normal(keys[3], (num_pages, page_size, rope_dim))
+    block_table = jax.random.permutation(keys[4], num_pages).reshape(batch, max_pages).astype(jnp.int32)
+    positions = jnp.asarray(lengths, jnp.int32)[:, None] - 1  # [B, 1]
+    if not topk_pages:
+        return q_latent, q_rope, latent_pages, rope_pages, block_table, positions
+    visible = positions[:, 0] // page_size + 1
+    scores = jax.random.uniform(keys[5], (batch, max_pages))
+    scores = jnp.where(jnp.arange(max_pages) < visible[:, None], scores, -1.0)
+    chosen = jax.lax.top_k(scores, topk_pages)[1]  # [B, pages]
+    topk = (chosen[:, :, None] * page_size + jnp.arange(page_size)).reshape(batch, 1, -1)
+    return q_latent, q_rope, latent_pages, rope_pages, block_table, positions, topk.astype(jnp.int32)
+
+
+def _with_scale(attention, scale):
+    def run(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, topk=None):
+        return attention(q_latent, q_rope, latent_pages, rope_pages, block_table, positions, scale=scale,
+                         topk_positions=topk)
+    return run
+
+
+def benchmark_cases(small: bool = False) -> list[KernelCase]:
+    """GLM-5 decode (N=64 heads per device, R=512, r=64, page 64, bf16 cache; one query per
+    sequence; sequence lengths spread evenly over [context / 2, context]). Bandwidth bound: read
+    GB/s against HBM peak. small: tiny float32 shapes for the interpreter."""
+    if small:
+        problems = [("mla decode small", 3, 40, 4, 32, 8, 8, 0),
+                    ("mla decode small topk", 3, 40, 4, 32, 8, 8, 2)]
+        dtype = jnp.float32
+    else:
+        problems = [("mla decode", 32, 4096, 64, 512, 64, 64, 0),
+                    ("mla decode", 128, 4096, 64, 512, 64, 64, 0),
+                    ("mla decode", 32, 32768, 64, 512, 64, 64, 0),
+                    ("mla decode topk=2048", 64, 32768, 64, 512, 64, 64, 32)]
+        dtype = jnp.bfloat16
+    itemsize = jnp.dtype(dtype).itemsize
+    cases = []
+    for name, batch, context, heads, rank, rope_dim, page_size, topk_pages in problems:
+        lengths = tuple(int(context // 2 + (context // 2) * b // max(batch - 1, 1)) for b in range(batch))
+        read = [topk_pages * page_size if topk_pages else n for n in lengths]  # cache entries read
+        make = functools.partial(_decode_problem, batch=batch, lengths=lengths, heads=heads, rank=rank,
+                                 rope_dim=rope_dim, page_size=page_size, topk_pages=topk_pages, dtype=dtype)
+        flops = sum(2.0 * heads * n * (2 * rank + rope_dim) for n in read)
+        bytes_moved = (sum(read) * (rank + rope_dim) * itemsize
+                       + batch * heads * ((rank + rope_dim) * itemsize + rank * 4))
+        scale = (192 + 64) ** -0.5
+        cases.append(KernelCase(f"{name} B={batch} context={context} N={heads} page={page_size}", make,
+                                _with_scale(mla_decode_reference, scale),
+                                _with_scale(mla_decode_attention, scale), flops, bytes_moved))
+    return cases
