@@ -134,6 +134,11 @@ class ServerMetrics(EngineObserver):
         with self._lock:
             return len(self._ttft)
 
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        """(hit tokens, looked-up tokens) since the start."""
+        with self._lock:
+            return self._hit, self._looked_up
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
