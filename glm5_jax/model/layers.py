@@ -11,11 +11,25 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.quant.formats import dequantize, is_quantized
+
 
 def declare_weight(module: nn.Module, name: str, shape: tuple[int, ...],
                    axes: tuple[str, ...], dtype, init) -> jax.Array:
-    """Declares a weight on `module` with logical axis names (see glm5_jax.parallel)."""
+    """Declares a weight on `module` with logical axis names (see glm5_jax.parallel).
+
+    A weight stored quantized (a glm5_jax.quant QuantizedTensor) comes back dequantized to its
+    original dtype, so modules never see the format; inside a scanned stack this happens per
+    layer (dequantize-on-the-fly).
+    """
     assert len(shape) == len(axes), (name, shape, axes)
+    if module.has_variable("params", name):
+        stored = module.get_variable("params", name)
+        if is_quantized(stored):
+            if stored.shape != tuple(shape):
+                raise ValueError(f"quantized param {name} of {module.name or type(module).__name__} "
+                                 f"has shape {stored.shape}, the module expects {tuple(shape)}")
+            return dequantize(stored)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
