@@ -2,6 +2,7 @@
 serving engine with a KV cache is serve.py's job).
 
     python -m glm5_jax.generate --checkpoint runs/demo --prompt "def fibonacci(n):"
+    python -m glm5_jax.generate --checkpoint runs/demo --quantize mixed --prompt "def fibonacci(n):"
 """
 
 from __future__ import annotations
@@ -68,10 +69,13 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same text)")
+    parser.add_argument("--quantize", default=None,
+                        help="quantize the weights with this recipe: a name in configs/quant/ "
+                             "(fp8, int8, nvfp4, mixed) or a recipe file path")
     args = parser.parse_args(argv)
     logging.set_verbosity(logging.ERROR)  # orbax narrates read-only checkpoint access
 
-    config, params, tokenizer = load_any(args.checkpoint)
+    config, params, tokenizer = load_any(args.checkpoint, quantize=args.quantize)
     if tokenizer is None:
         raise SystemExit(f"error: {args.checkpoint} has no tokenizer.json")
     prompt_ids = tokenizer.encode(args.prompt).ids

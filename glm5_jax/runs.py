@@ -10,6 +10,7 @@ import tokenizers
 
 from glm5_jax.checkpoint import load_pretrained
 from glm5_jax.model import ModelConfig, init_params
+from glm5_jax.quant import load_recipe, quantize_params
 from glm5_jax.train.checkpoints import CHECKPOINT_DIR, RunCheckpoints
 from glm5_jax.train.optimizer import make_optimizer
 from glm5_jax.train.settings import TrainSettings
@@ -42,11 +43,12 @@ def load_run(workdir: str | os.PathLike, step: int | None = None):
 def load_any(path: str | os.PathLike, quantize: str | None = None):
     """A run directory or an HF checkpoint directory -> (ModelConfig, params, tokenizer or None).
 
-    quantize: a recipe name (e.g. "fp8", "mixed") or a recipe file path; None keeps the weights as stored.
+    quantize: a recipe name (e.g. "fp8", "mixed"; see configs/quant/) or a recipe file path: the
+    weights come back as glm5_jax.quant QuantizedTensors where the recipe says (FP8 checkpoints are
+    dequantized first, then quantized by the recipe). None: the weights as stored (dequantized).
     """
     path = Path(path)
-    if quantize is not None:
-        raise NotImplementedError(f"load_any(quantize={quantize!r}): quantization is not implemented yet")
+    recipe = None if quantize is None else load_recipe(quantize)  # bad names fail before loading
     if is_run_directory(path):
         config, params = load_run(path)
     elif (path / "config.json").exists():
@@ -55,6 +57,8 @@ def load_any(path: str | os.PathLike, quantize: str | None = None):
         raise RunNotFoundError(
             f"{path} is neither a train.py run directory (with {CHECKPOINT_DIR}/) nor an HF "
             "checkpoint directory (with config.json)")
+    if recipe is not None:
+        params = quantize_params(params, recipe)
     tokenizer_file = path / "tokenizer.json"
     tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None
     return config, params, tokenizer

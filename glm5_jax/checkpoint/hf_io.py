@@ -18,21 +18,28 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from glm5_jax.checkpoint.hf_config import config_from_hf, config_to_hf
 from glm5_jax.checkpoint.names import (
+    FP8_BLOCK,
+    SCALE_SUFFIX,
     TensorName,
     checkpoint_names,
+    fp8_scale_shape,
     hf_shape,
     optional_duplicates,
+    scale_to_ours,
     to_hf,
     to_ours,
 )
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.transformer import param_shapes
+from glm5_jax.quant.formats import QuantizedTensor
+from glm5_jax.quant.recipes import weight_layout
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,12 +88,77 @@ def read_config(path: str | os.PathLike, dtype=None) -> ModelConfig:
     return config_from_hf(json.loads(config_path.read_text()), dtype_name)
 
 
-def load_pretrained(path: str | os.PathLike, dtype=None):
+def _read_fp8(file: Path, hf_name: str) -> np.ndarray:
+    """An F8_E4M3 tensor read straight from the safetensors layout (safetensors' numpy reader
+    has no float8 dtype): 8-byte header size, JSON header, then the raw bytes."""
+    with open(file, "rb") as handle:
+        header_size = int.from_bytes(handle.read(8), "little")
+        info = json.loads(handle.read(header_size))[hf_name]
+        start, end = info["data_offsets"]
+        handle.seek(8 + header_size + start)
+        data = np.frombuffer(handle.read(end - start), np.uint8)
+    return data.view(ml_dtypes.float8_e4m3fn).reshape(info["shape"])
+
+
+def _fp8_weights(directory: Path, files: dict[str, Path], names: list[TensorName]) -> set[str]:
+    """Names of the weights stored as FP8 with a block scale (`<name>_scale_inv`); checks that
+    each scale has its weight, that the weight may be quantized and the block size is 128x128."""
+    known = {n.hf_name: n for n in names}
+    scaled = {n[: -len(SCALE_SUFFIX)] for n in files if n.endswith(SCALE_SUFFIX)}
+    for base in sorted(scaled):
+        if base not in known:
+            raise CheckpointError(f"{base}{SCALE_SUFFIX} has no weight tensor {base} in the model")
+        if weight_layout(known[base].path) is None:
+            raise CheckpointError(f"{base} has a block scale, but {'/'.join(known[base].path)} is "
+                                  "never quantized (norms, biases and the router stay float)")
+    if scaled:
+        hf = json.loads((directory / "config.json").read_text()).get("quantization_config", {})
+        block = list(hf.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK]))
+        if block != [FP8_BLOCK, FP8_BLOCK]:
+            raise CheckpointError(f"quantization_config.weight_block_size {block}: only "
+                                  f"[{FP8_BLOCK}, {FP8_BLOCK}] is supported")
+    return scaled
+
+
+def _read_weight(handle, file: Path, name: TensorName, scaled: set[str], want: tuple[int, ...],
+                 files: dict[str, Path]):
+    """One HF tensor (checked against its expected shape) -> (tensor, FP8 scale or None).
+
+    FP8 tensors come back as float8_e4m3fn with their [ceil(out/128), ceil(in/128)] scale."""
+    got = tuple(handle.get_slice(name.hf_name).get_shape())
+    if got != want:
+        raise CheckpointError(f"{name.hf_name} in {file.name} has shape {got}, expected {want}")
+    if name.hf_name not in scaled:
+        return handle.get_tensor(name.hf_name), None
+    dtype = handle.get_slice(name.hf_name).get_dtype()
+    if dtype != "F8_E4M3":
+        raise CheckpointError(f"{name.hf_name} has a block scale but dtype {dtype}; expected F8_E4M3")
+    scale_name = name.hf_name + SCALE_SUFFIX
+    with safe_open(str(files[scale_name]), framework="np") as scales:
+        scale = scales.get_tensor(scale_name).astype(np.float32)
+    if scale.shape != fp8_scale_shape(want):
+        raise CheckpointError(f"{scale_name} has shape {scale.shape}, expected "
+                              f"{fp8_scale_shape(want)} (one scale per {FP8_BLOCK}x{FP8_BLOCK} block "
+                              f"of the {want} weight)")
+    return _read_fp8(file, name.hf_name), scale
+
+
+def _dequantize_fp8(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """float8 [R, C] and block scales [ceil(R/128), ceil(C/128)] -> float32 [R, C]."""
+    full = np.repeat(np.repeat(scale, FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)
+    return values.astype(np.float32) * full[: values.shape[0], : values.shape[1]]
+
+
+def load_pretrained(path: str | os.PathLike, dtype=None, keep_fp8: bool = False):
     """Loads an HF checkpoint directory -> (ModelConfig, params).
 
     dtype (e.g. "bfloat16", jnp.float32) overrides the checkpoint's dtype for weights and
     compute; the router, its bias and the indexer's head weights stay float32. The MTP layer
     (stored as layer `num_hidden_layers`) is loaded when present.
+
+    FP8 checkpoints (`weight` float8_e4m3fn + `weight_scale_inv` per 128x128 block) are
+    dequantized to the config's dtype, or with keep_fp8 kept as glm5_jax.quant QuantizedTensors
+    ("fp8" format; the model dequantizes them per layer).
     """
     directory = Path(path)
     config = read_config(directory, dtype)
@@ -95,7 +167,8 @@ def load_pretrained(path: str | os.PathLike, dtype=None):
             n.startswith(f"model.layers.{config.num_layers}.") for n in files):
         config = config.replace(num_mtp_layers=0)  # declared, but this file set has no MTP layer
     names = checkpoint_names(config)
-    expected = {n.hf_name for n in names}
+    scaled = _fp8_weights(directory, files, names)
+    expected = {n.hf_name for n in names} | {n + SCALE_SUFFIX for n in scaled}
     missing = sorted(expected - set(files))
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
@@ -106,6 +179,7 @@ def load_pretrained(path: str | os.PathLike, dtype=None):
 
     # Host buffers of the final shapes; shared-indexer layers keep zeros (never used).
     buffers = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), param_shapes(config))
+    kept = _fp8_buffers(buffers, names, scaled) if keep_fp8 else {}
     by_file: dict[Path, list[TensorName]] = {}
     for name in names:
         by_file.setdefault(files[name.hf_name], []).append(name)
@@ -114,19 +188,57 @@ def load_pretrained(path: str | os.PathLike, dtype=None):
             for name in file_names:
                 target = _get(buffers, name.path)
                 slice_shape = target.shape[len(name.index):]
-                want = hf_shape(name, slice_shape)
-                got = tuple(handle.get_slice(name.hf_name).get_shape())
-                if got != want:
-                    raise CheckpointError(
-                        f"{name.hf_name} in {file.name} has shape {got}, expected {want}")
-                target[name.index] = to_ours(name, handle.get_tensor(name.hf_name), slice_shape)
+                tensor, scale = _read_weight(handle, file, name, scaled, hf_shape(name, slice_shape),
+                                             files)
+                if name.path in kept:
+                    values, scales = kept[name.path]
+                    values[name.index] = tensor.T if name.transposed else tensor
+                    scales[name.index] = scale_to_ours(name, scale)
+                    continue
+                if scale is not None:
+                    tensor = _dequantize_fp8(tensor, scale)
+                target[name.index] = to_ours(name, tensor, slice_shape)
 
     params = {}
     for leaf_path, host in jax.tree_util.tree_flatten_with_path(buffers)[0]:
         keys = tuple(k.key for k in leaf_path)
-        _set(params, keys, jnp.asarray(host))
+        if keys in kept:
+            values, scales = kept.pop(keys)
+            layout = weight_layout(keys)
+            lead = host.ndim - layout.in_ndim - layout.out_ndim
+            host_shape = host.shape
+            _set(params, keys, QuantizedTensor(
+                jnp.asarray(values), jnp.asarray(scales), None, "fp8", host_shape[lead:lead + layout.in_ndim],
+                host_shape[lead + layout.in_ndim:], host.dtype.name))
+        else:
+            _set(params, keys, jnp.asarray(host))
         _set(buffers, keys, None)  # drop the host copy as soon as the device copy exists
     return config, params
+
+
+def _fp8_buffers(buffers, names: list[TensorName], scaled: set[str]):
+    """{param path: (float8 values [..., I, O], float32 scales [..., ceil(I/128), ceil(O/128)])}
+    for every param whose tensors are all FP8 (a stacked param mixing FP8 and float layers is an
+    error: one QuantizedTensor holds the whole stack)."""
+    by_path: dict[tuple[str, ...], list[bool]] = {}
+    for name in names:
+        by_path.setdefault(name.path, []).append(name.hf_name in scaled)
+    kept = {}
+    for path, flags in by_path.items():
+        if not any(flags):
+            continue
+        if not all(flags):
+            raise CheckpointError(f"{'/'.join(path)}: some of its tensors are FP8 and some are not; "
+                                  "keep_fp8 needs all of them FP8 (or load with keep_fp8=False)")
+        host = _get(buffers, path)
+        layout = weight_layout(path)
+        lead = host.ndim - layout.in_ndim - layout.out_ndim
+        rows = int(np.prod(host.shape[lead:lead + layout.in_ndim]))
+        cols = int(np.prod(host.shape[lead + layout.in_ndim:]))
+        kept[path] = (np.zeros(host.shape[:lead] + (rows, cols), ml_dtypes.float8_e4m3fn),
+                      np.zeros(host.shape[:lead] + (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)),
+                               np.float32))
+    return kept
 
 
 def _parse_size(size: int | str) -> int:

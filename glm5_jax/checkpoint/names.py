@@ -18,6 +18,11 @@ from glm5_jax.model.config import ModelConfig
 
 Path = tuple[str, ...]
 
+# FP8 checkpoints (DeepSeek-V3 / GLM-5-FP8 style): `X.weight` is float8_e4m3fn [out, in] and
+# `X.weight_scale_inv` float32 [ceil(out/128), ceil(in/128)], the multiplier per 128x128 block.
+SCALE_SUFFIX = "_scale_inv"
+FP8_BLOCK = 128
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorName:
@@ -33,6 +38,17 @@ def to_ours(name: TensorName, hf_tensor: np.ndarray, slice_shape: tuple[int, ...
     if hf_tensor.ndim == 1 or not name.transposed:
         return hf_tensor.reshape(slice_shape)
     return hf_tensor.T.reshape(slice_shape)
+
+
+def scale_to_ours(name: TensorName, hf_scale: np.ndarray) -> np.ndarray:
+    """An FP8 block scale [ceil(out/128), ceil(in/128)] -> ours over the [in, out] view."""
+    return hf_scale if not name.transposed else hf_scale.T
+
+
+def fp8_scale_shape(hf_tensor_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The weight_scale_inv shape of an HF matrix of shape [out, in]."""
+    rows, cols = hf_tensor_shape
+    return (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
 
 
 def to_hf(name: TensorName, our_slice: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
