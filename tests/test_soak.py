@@ -62,7 +62,7 @@ def scrape(url: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def server(tiny_config):
     config = tiny_config.replace(vocab_size=320, num_layers=2, num_mtp_layers=0, eos_token_ids=[0],
-                                 pad_token_id=0)
+                                 pad_token_id=0, indexer_types=("full",) * 2, attention_types=("dsa",) * 2)
     params = glm5_jax.init_params(config, jax.random.key(3))
     tokenizer = train_bpe_tokenizer(TEXT, vocab_size=320)
     metrics = ServerMetrics()
@@ -130,7 +130,7 @@ def check_answers(requests, answers) -> None:
 
 def test_soak_1000_requests(server):
     url, engine, metrics = server
-    requests = make_requests(REQUESTS, random.Random(0), vocab=320)
+    requests = make_requests(REQUESTS, random.Random(0), vocab=engine.tokenizer.get_vocab_size())
     warm = requests[:WARM_UP_REQUESTS]
     check_answers(warm, run_all(url, warm))
     gc.collect()
