@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from glm5_jax.model.layers import MLP, declare_weight, normal_init
 from glm5_jax.parallel import constrain
+from glm5_jax.parallel.expert import expert_mesh, routed_experts_sharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,9 @@ class MoESpec:
     routed_scaling_factor: float
     initializer_range: float
     impl: str = "ragged"  # "ragged" (ragged_dot), "blocked" (padded blocks) or "dense" (all experts)
+    # Expert parallelism (active when the context mesh has an `expert` axis > 1).
+    dispatch: str = "all_to_all"
+    capacity_factor: float = 0.0  # 0 = dropless
 
 
 def route(x: jax.Array, router: jax.Array, selection_bias: jax.Array, spec: MoESpec):
@@ -195,7 +199,15 @@ class MoE(nn.Module):
         self.sow("intermediates", "balance_loss",
                  sequence_balance_loss(scores.reshape(batch, length, num_experts),
                                        experts.reshape(batch, length, -1), num_experts))
-        y = ROUTED_EXPERTS[spec.impl](tokens, weights, experts, gate_proj, up_proj, down_proj)
+        mesh = expert_mesh()
+        if mesh is None:
+            y = ROUTED_EXPERTS[spec.impl](tokens, weights, experts, gate_proj, up_proj, down_proj)
+        else:
+            y, dropped = routed_experts_sharded(
+                tokens, weights, experts, gate_proj, up_proj, down_proj, mesh=mesh,
+                local_impl=ROUTED_EXPERTS[spec.impl], capacity_factor=spec.capacity_factor,
+                dispatch=spec.dispatch)
+            self.sow("intermediates", "dropped_tokens", dropped)
         y = constrain(y.reshape(batch, length, hidden), ("batch", "length", "embed"))
         if spec.num_shared_experts:
             y = y + MLP(hidden, inner * spec.num_shared_experts, spec.initializer_range,

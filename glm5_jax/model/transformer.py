@@ -45,7 +45,8 @@ def moe_spec(config: ModelConfig) -> MoESpec:
         num_selected_groups=config.num_selected_groups,
         normalize_topk_weights=config.normalize_topk_weights,
         routed_scaling_factor=config.routed_scaling_factor,
-        initializer_range=config.initializer_range, impl=config.moe_impl)
+        initializer_range=config.initializer_range, impl=config.moe_impl,
+        dispatch=config.expert_dispatch, capacity_factor=config.expert_capacity_factor)
 
 
 class DecoderLayer(nn.Module):
@@ -116,7 +117,7 @@ class MTPHead(nn.Module):
         embedded = RMSNorm(config.rms_norm_eps, param_dtype, name="enorm")(next_embeddings)
         previous = RMSNorm(config.rms_norm_eps, param_dtype, name="hnorm")(hidden)
         eh_proj = declare_weight(self, "eh_proj", (2 * config.hidden_size, config.hidden_size),
-                                 ("embed", "embed"), param_dtype,
+                                 ("embed_concat", "embed"), param_dtype,
                                  normal_init(config.initializer_range))
         x = jnp.concatenate([embedded, previous], axis=-1) @ eh_proj.astype(hidden.dtype)
         batch, length = x.shape[:2]

@@ -10,6 +10,7 @@ AXIS_NAMES = {
     "layers": "stacked decoder layers (the scan axis)",
     "vocab": "vocabulary entries",
     "embed": "model width (hidden_size)",
+    "embed_concat": "the MTP head's input, [embedding, hidden] concatenated (2 x hidden_size)",
     "q_lora": "query low-rank latent",
     "kv_lora": "key/value latent (plus the shared rope key)",
     "heads": "attention heads",

@@ -8,7 +8,6 @@ norm is not finite.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.struct
@@ -17,7 +16,8 @@ import jax.numpy as jnp
 import optax
 
 from glm5_jax.model.config import ModelConfig
-from glm5_jax.model.transformer import apply_model
+from glm5_jax.model.transformer import apply_model, param_shapes, sown_values
+from glm5_jax.parallel import sharding
 from glm5_jax.train.loss import expert_loads, language_model_losses, shifted_targets, token_cross_entropy
 from glm5_jax.train.settings import TrainSettings
 
@@ -63,9 +63,18 @@ def _split_microbatches(batch: Batch, count: int) -> Batch:
     return jax.tree.map(lambda x: x.reshape((count, x.shape[0] // count) + x.shape[1:]), batch)
 
 
-def make_train_step(config: ModelConfig, settings: TrainSettings,
-                    optimizer: optax.GradientTransformation):
-    """Returns train_step(state, batch) -> (state, metrics), jitted (state donated)."""
+def train_state_shardings(config: ModelConfig, optimizer: optax.GradientTransformation, mesh,
+                          rules=sharding.DEFAULT_RULES) -> TrainState:
+    """Where every part of the train state lives on `mesh`: params by their logical axes,
+    optimizer moments like their params, the step counter replicated."""
+    params = sharding.param_shardings(config, mesh, rules)
+    abstract = param_shapes(config)
+    return TrainState(step=sharding.replicated(mesh), params=params,
+                      opt_state=sharding.optimizer_state_shardings(optimizer, abstract, params, mesh))
+
+
+def make_loss_fn(config: ModelConfig, settings: TrainSettings):
+    """loss_fn(params, batch) -> (loss, (metrics, expert loads)) for one (micro)batch."""
 
     def loss_fn(params, micro: Batch):
         outputs = apply_model(config, params, micro["input_ids"], micro["positions"],
@@ -75,11 +84,26 @@ def make_train_step(config: ModelConfig, settings: TrainSettings,
             outputs, micro["input_ids"], micro["segment_ids"],
             z_loss_weight=settings.z_loss_weight, mtp_loss_weight=settings.mtp_loss_weight,
             balance_loss_weight=settings.balance_loss_weight)
+        dropped = [value for _, value in sown_values(outputs["intermediates"], "dropped_tokens")]
+        if dropped:
+            metrics["dropped_tokens"] = sum(jnp.sum(d) for d in dropped).astype(jnp.float32)
         return loss, (metrics, expert_loads(outputs["intermediates"]))
 
+    return loss_fn
+
+
+def make_train_step(config: ModelConfig, settings: TrainSettings,
+                    optimizer: optax.GradientTransformation, mesh=None, rules=sharding.DEFAULT_RULES):
+    """Returns train_step(state, batch) -> (state, metrics), jitted (state donated).
+
+    With a mesh: explicit in/out shardings (train_state_shardings, batch rows over the batch
+    axes), traced with the mesh and rules in context so activation constraints and the
+    expert-parallel MoE apply. The state must already be placed (`place_train_state`).
+    """
+
+    loss_fn = make_loss_fn(config, settings)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state: TrainState, batch: Batch):
         micro = _split_microbatches(batch, settings.grad_accum_steps)
 
@@ -109,7 +133,25 @@ def make_train_step(config: ModelConfig, settings: TrainSettings,
                    **{f"expert_load/{k}": v for k, v in loads.items()}}
         return new_state, metrics
 
-    return train_step
+    if mesh is None:
+        return jax.jit(train_step, donate_argnums=0)
+    state_sharding = train_state_shardings(config, optimizer, mesh, rules)
+    jitted = jax.jit(train_step, donate_argnums=0,
+                     in_shardings=(state_sharding, sharding.batch_sharding(mesh, rules)),
+                     out_shardings=(state_sharding, sharding.replicated(mesh)))
+
+    def sharded_step(state: TrainState, batch: Batch):
+        with sharding.activate(mesh, rules):
+            return jitted(state, batch)
+
+    sharded_step.jitted = jitted  # for .trace/.lower (call inside sharding.activate)
+    return sharded_step
+
+
+def place_train_state(state: TrainState, config: ModelConfig, optimizer: optax.GradientTransformation,
+                      mesh, rules=sharding.DEFAULT_RULES) -> TrainState:
+    """Moves a (host or single-device) train state onto `mesh` with its shardings."""
+    return jax.device_put(state, train_state_shardings(config, optimizer, mesh, rules))
 
 
 def make_eval_step(config: ModelConfig, token_bytes: jax.Array):

@@ -1,0 +1,133 @@
+"""The device mesh from the config: named axes pipeline, data, fsdp, expert, tensor.
+
+    config.mesh = dict(pipeline=1, data=-1, fsdp=1, expert=1, tensor=1)
+
+Sizes multiply to the device count; one size may be -1 to take what is left. The axis order puts
+`tensor` innermost (the fastest links: NVLink within a node, neighbouring TPU chips) and
+`pipeline` outermost (the least traffic). Multi-host runs call `initialize_distributed()` first:
+JAX's own multi-controller runtime, configured from the standard environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from glm5_jax.model.config import ModelConfig
+
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
+
+
+class MeshError(ValueError):
+    """The mesh does not fit the devices or the model; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    pipeline: int = 1
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> MeshSpec:
+        values = dict(values.to_dict() if hasattr(values, "to_dict") else (values or {}))
+        unknown = sorted(set(values) - set(MESH_AXES))
+        if unknown:
+            raise MeshError(f"unknown mesh axis {', '.join(unknown)}; the axes are {MESH_AXES}")
+        for name, size in values.items():
+            if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+                raise MeshError(f"mesh.{name} must be a positive integer or -1, got {size!r}")
+        if list(values.values()).count(-1) > 1:
+            raise MeshError("at most one mesh axis may be -1 (fill)")
+        if "data" not in values and -1 in values.values():
+            values["data"] = 1
+        return cls(**values)
+
+    @classmethod
+    def parse(cls, text: str) -> MeshSpec:
+        """'data=2,expert=4' -> MeshSpec (axes not named keep their defaults)."""
+        values = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, _, size = item.partition("=")
+            try:
+                values[name.strip()] = int(size)
+            except ValueError:
+                raise MeshError(f"bad mesh entry {item!r}; expected axis=size, "
+                                "e.g. data=2,expert=4") from None
+        return cls.from_dict(values)
+
+    def sizes(self, device_count: int) -> dict[str, int]:
+        """Axis sizes with -1 resolved; raises MeshError unless they multiply to device_count."""
+        sizes = {name: getattr(self, name) for name in MESH_AXES}
+        known = math.prod(size for size in sizes.values() if size != -1)
+        if -1 in sizes.values():
+            if device_count % known:
+                raise MeshError(f"cannot fill the -1 mesh axis: {device_count} devices are not "
+                                f"divisible by the other axes' product {known}")
+            sizes = {name: (device_count // known if size == -1 else size) for name, size in sizes.items()}
+        product = math.prod(sizes.values())
+        if product != device_count:
+            shown = ", ".join(f"{name}={size}" for name, size in sizes.items())
+            raise MeshError(f"mesh axes multiply to {product} ({shown}) but there are {device_count} devices")
+        return sizes
+
+
+def check_model_fits(sizes: Mapping[str, int], config: ModelConfig) -> None:
+    """Raises MeshError when the model cannot be split over the mesh as asked."""
+    if config.num_experts % sizes["expert"]:
+        raise MeshError(f"num_experts={config.num_experts} is not divisible by the expert axis "
+                        f"({sizes['expert']})")
+    stages = sizes["pipeline"]
+    if stages > 1 and config.num_moe_layers % stages:
+        raise MeshError(f"the {config.num_moe_layers} MoE layers cannot be split into {stages} "
+                        "equal pipeline stages (num_layers - num_dense_layers must be divisible by "
+                        "the pipeline axis)")
+    tensor = sizes["tensor"]
+    for field in ("num_heads", "moe_intermediate_size", "dense_intermediate_size"):
+        if getattr(config, field) % tensor:
+            raise MeshError(f"{field}={getattr(config, field)} is not divisible by the tensor axis "
+                            f"({tensor})")
+
+
+def make_mesh(spec: MeshSpec, config: ModelConfig | None = None,
+              devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+    """A Mesh over `devices` (default: all) with axes MESH_AXES, validated against `config`."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = spec.sizes(len(devices))
+    if config is not None:
+        check_model_fits(sizes, config)
+    shape = tuple(sizes[name] for name in MESH_AXES)
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        grid = np.asarray(devices).reshape(shape)
+    return jax.sharding.Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def initialize_distributed() -> bool:
+    """jax.distributed.initialize() when a multi-process environment is present (coordinator
+    address set explicitly, or a cluster JAX detects: SLURM, Open MPI, Cloud TPU pods).
+    Returns whether it ran. Single-process runs skip it."""
+    explicit = "JAX_COORDINATOR_ADDRESS" in os.environ
+    cluster = any(name in os.environ for name in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
+                                                   "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS"))
+    if not (explicit or cluster):
+        return False
+    if explicit:
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAX_PROCESS_ID"]))
+    else:
+        jax.distributed.initialize()
+    return True

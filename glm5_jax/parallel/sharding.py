@@ -1,0 +1,132 @@
+"""Logical-axis sharding rules and the placement of params, optimizer state and batches.
+
+The model names every weight and activation axis logically (glm5_jax.parallel.logical); the
+rules below map those names to mesh axes. A mesh axis is used at most once per array: Flax
+drops a later logical axis whose mesh axis is already taken, so activations [batch, length,
+embed] shard over the batch axes only while weights [embed, ...] shard embed over fsdp.
+
+    batch   -> (data, fsdp, expert)   data parallel outside the experts, token owners inside
+    embed   -> fsdp                   FSDP: weights and optimizer state split, gathered per use
+    heads, index_heads, mlp, vocab -> tensor   (Megatron-style tensor parallelism)
+    experts -> expert                 expert parallelism (shard_map + all_to_all in the MoE)
+    layers  -> pipeline               each pipeline stage stores its own layers
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.transformer import param_logical_axes
+from glm5_jax.parallel.logical import AXIS_NAMES
+from glm5_jax.parallel.mesh import MESH_AXES
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", None),
+    ("layers", "pipeline"),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("embed_concat", None),
+    ("heads", "tensor"),
+    ("index_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("experts", "expert"),
+    ("q_lora", None),
+    ("kv_lora", None),
+    ("head_dim", None),
+    ("norm", None),
+)
+
+
+def make_rules(overrides: Mapping[str, str | Sequence[str] | None] | None = None) -> Rules:
+    """DEFAULT_RULES with some logical axes remapped (config.sharding_rules), validated."""
+    overrides = dict(overrides.to_dict() if hasattr(overrides, "to_dict") else (overrides or {}))
+    for name, target in overrides.items():
+        if name not in AXIS_NAMES:
+            raise ValueError(f"sharding_rules: unknown logical axis {name!r}; known: {sorted(AXIS_NAMES)}")
+        targets = (target,) if isinstance(target, str) or target is None else tuple(target)
+        bad = [t for t in targets if t is not None and t not in MESH_AXES]
+        if bad:
+            raise ValueError(f"sharding_rules.{name}: unknown mesh axis {bad[0]!r}; "
+                             f"mesh axes are {MESH_AXES}")
+    rules = []
+    for name, target in DEFAULT_RULES:
+        if name in overrides:
+            target = overrides[name]
+            target = tuple(target) if isinstance(target, list | tuple) else target
+        rules.append((name, target))
+    return tuple(rules)
+
+
+@contextlib.contextmanager
+def activate(mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES):
+    """Within: activation constraints and the expert-parallel MoE see `mesh` and `rules`.
+    Trace (first call of a jitted function) inside this context."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+def logical_sharding(mesh: jax.sharding.Mesh, rules: Rules, axes: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(axes), rules))
+
+
+def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES):
+    """NamedSharding for every parameter, from its logical axis names."""
+    specs = param_logical_axes(config)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(spec), rules)),
+                        specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def optimizer_state_shardings(optimizer: optax.GradientTransformation, params_abstract,
+                              params_sharding, mesh: jax.sharding.Mesh):
+    """Shardings of optimizer.init(params): a moment follows the parameter it mirrors (the
+    trailing dict keys of its path name a parameter of the same shape), the rest replicates."""
+    state_abstract = jax.eval_shape(optimizer.init, params_abstract)
+    by_path = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params_abstract):
+        by_path[tuple(k.key for k in path)] = leaf.shape
+    shardings = {tuple(k.key for k in path): sharding
+                 for path, sharding in jax.tree_util.tree_leaves_with_path(params_sharding)}
+
+    def place(path, leaf):
+        keys = []
+        for entry in reversed(path):
+            if not isinstance(entry, jax.tree_util.DictKey):
+                break
+            keys.insert(0, entry.key)
+        keys = tuple(keys)
+        if keys in by_path and by_path[keys] == leaf.shape:
+            return shardings[keys]
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(place, state_abstract)
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    """A [B, T] batch field: rows split over the batch axes."""
+    return logical_sharding(mesh, rules, ("batch", "length"))
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def bytes_per_device(abstract_tree, sharding_tree) -> int:
+    """Bytes one device holds of a pytree of ShapeDtypeStructs placed with these shardings."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(sharding_tree), strict=True):
+        shard = sharding.shard_shape(leaf.shape)
+        count = 1
+        for size in shard:
+            count *= size
+        total += count * leaf.dtype.itemsize
+    return total
