@@ -456,12 +456,12 @@ def flash_attention_reference(query, key, value, query_positions, key_positions,
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     allowed = visible(query_positions[:, :, None], query_segment_ids[:, :, None],
                       key_positions[:, None, :], key_segment_ids[:, None, :], sliding_window)[:, None]
-    logits = jnp.einsum("BTNH,BSNH->BNTS", query, key, preferred_element_type=jnp.float32) * scale
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  exact for bf16; XLA:CPU has no bf16 x bf16 -> f32 dot
+    logits = jnp.einsum("BTNH,BSNH->BNTS", f32(query), f32(key)) * scale
     logits = jnp.where(allowed, logits, NEG_INF)
     probs = jnp.where(allowed, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), 0.0)
     probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    return jnp.einsum("BNTS,BSNH->BTNH", probs.astype(value.dtype), value,
-                      preferred_element_type=jnp.float32).astype(query.dtype)
+    return jnp.einsum("BNTS,BSNH->BTNH", f32(probs.astype(value.dtype)), f32(value)).astype(query.dtype)
 
 
 # ----------------------------------------------------------------------------- benchmarks

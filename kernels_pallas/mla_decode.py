@@ -72,8 +72,9 @@ def _page_plan(block_table, query_positions, topk_positions, page_size):
 
 
 def _decode_kernel(*refs, scale, page_size, max_pages, num_queries, has_topk, dma_pages):
-    """Grid (B, T). q_latent [N, R]; q_rope [N, r]; pages [P, page, R/r] (in HBM when dma_pages,
-    copied one page at a time into VMEM scratch); selected [max_pages, page]. Writes [N, R]."""
+    """Grid (B, T). q_latent [N, R]; q_rope [N, r] (in the compute dtype); pages [P, page, R/r]
+    (in HBM when dma_pages, copied one page at a time into VMEM scratch); selected [max_pages,
+    page]. Writes [N, R]."""
     if has_topk:
         (table_ref, qpos_ref, pages_ref, counts_ref, ql_ref, qr_ref, latent_ref, rope_ref,
          selected_ref, out_ref, *scratch) = refs
@@ -94,8 +95,8 @@ def _decode_kernel(*refs, scale, page_size, max_pages, num_queries, has_topk, dm
     def body(i, carry):
         logical = pages_ref[query * max_pages + i]
         physical = table_ref[b * max_pages + logical]
-        latent = load_page(latent_ref, scratch[0] if dma_pages else None, physical)  # [page, R]
-        k_rope = load_page(rope_ref, scratch[1] if dma_pages else None, physical)  # [page, r]
+        latent = load_page(latent_ref, scratch[0] if dma_pages else None, physical).astype(q_latent.dtype)
+        k_rope = load_page(rope_ref, scratch[1] if dma_pages else None, physical).astype(q_rope.dtype)
         logits = (dot_nt(q_latent, latent) + dot_nt(q_rope, k_rope)) * scale  # [N, page]
         cache_pos = logical * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
         allowed = cache_pos <= position
@@ -165,7 +166,10 @@ def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, block_table
     # Heads are the matmul rows; Triton's tl.dot wants >= 16 and a power of two (zero rows are inert).
     heads_pad = triton_dim(heads) if backend == "triton" else heads
     pad = ((0, 0), (0, 0), (0, heads_pad - heads), (0, 0))
-    q_latent, q_rope = jnp.pad(q_latent, pad), jnp.pad(q_rope, pad)
+    # Mixed query/cache dtypes compute in the promoted type, as the jnp reference's einsum does
+    # (pages are converted after loading, so a bf16 cache is still read as bf16).
+    compute = jnp.promote_types(q_latent.dtype, latent_pages.dtype)
+    q_latent, q_rope = jnp.pad(q_latent, pad).astype(compute), jnp.pad(q_rope, pad).astype(compute)
 
     dma_pages = backend == "mosaic_tpu"
     scalars = [scalar_spec(backend)] * 4
@@ -220,14 +224,15 @@ def mla_decode_reference(q_latent, q_rope, latent_pages, rope_pages, block_table
     if topk_positions is not None:
         chosen = jnp.any(topk_positions[..., None] == positions, axis=-2)  # [B, T, S]
         allowed = allowed & chosen
-    logits = (jnp.einsum("BTNR,BSR->BNTS", q_latent, latent, preferred_element_type=jnp.float32)
-              + jnp.einsum("BTNH,BSH->BNTS", q_rope, k_rope, preferred_element_type=jnp.float32)) * scale
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  exact for bf16; XLA:CPU has no bf16 x bf16 -> f32 dot
+    logits = (jnp.einsum("BTNR,BSR->BNTS", f32(q_latent), f32(latent))
+              + jnp.einsum("BTNH,BSH->BNTS", f32(q_rope), f32(k_rope))) * scale
     allowed = allowed[:, None]
     logits = jnp.where(allowed, logits, NEG_INF)
     probs = jnp.where(allowed, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), 0.0)
     probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    return jnp.einsum("BNTS,BSR->BTNR", probs.astype(latent.dtype), latent,
-                      preferred_element_type=jnp.float32)
+    cache_dtype = jnp.promote_types(q_latent.dtype, latent.dtype)  # what the kernel's probs round to
+    return jnp.einsum("BNTS,BSR->BTNR", f32(probs.astype(cache_dtype)), f32(latent))
 
 
 # ----------------------------------------------------------------------------- benchmarks
