@@ -75,7 +75,7 @@ def online_softmax_step(m, norm, acc, logits, allowed, value):
     probs = jnp.where(allowed, jnp.exp(logits - m_new), 0.0)
     alpha = jnp.exp(m - m_new)
     norm_new = alpha * norm + jnp.sum(probs, axis=1, keepdims=True)
-    acc_new = alpha * acc + jnp.dot(probs.astype(value.dtype), value, preferred_element_type=jnp.float32)
+    acc_new = alpha * acc + dot_nn(probs.astype(value.dtype), value)
     return m_new, norm_new, acc_new
 
 
@@ -84,9 +84,21 @@ def finish_softmax(norm, acc):
     return acc / jnp.where(norm > 0, norm, 1.0)
 
 
+def _precision(a):
+    # float32 operands get exact float32 products (Triton would otherwise use TF32); bf16 needs none.
+    return jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+
+
 def dot_nt(a, b):
     """a [m, k] . b [n, k]^T -> float32 [m, n]."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a),
+                               preferred_element_type=jnp.float32)
+
+
+def dot_nn(a, b):
+    """a [m, k] . b [k, n] -> float32 [m, n]."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a),
+                               preferred_element_type=jnp.float32)
 
 
 def scalar_spec(backend: str) -> pl.BlockSpec:
@@ -146,7 +158,7 @@ def _dq_kernel(bounds_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, q_ref, k_ref,
         allowed = visible(qpos, qseg, kpos_ref[pl.ds(j, 1), :], kseg_ref[pl.ds(j, 1), :], window)
         probs = jnp.where(allowed, jnp.exp(dot_nt(q, k) * scale - lse), 0.0)  # [bq, bk]
         dscores = probs * (dot_nt(do, v) - delta)
-        return dq + jnp.dot(dscores.astype(k.dtype), k, preferred_element_type=jnp.float32)
+        return dq + dot_nn(dscores.astype(k.dtype), k)
 
     dq = jax.lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
@@ -169,9 +181,9 @@ def _dkv_kernel(bounds_ref, kpos_ref, kseg_ref, qpos_ref, qseg_ref, k_ref, v_ref
         do = do_ref[pl.ds(start, block_q), :]
         allowed = visible(qpos_ref[pl.ds(i, 1), :], qseg_ref[pl.ds(i, 1), :], kpos, kseg, window)
         probs_t = jnp.where(allowed, jnp.exp(dot_nt(k, q) * scale - lse_ref[pl.ds(i, 1), :]), 0.0)
-        dv = dv + jnp.dot(probs_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        dv = dv + dot_nn(probs_t.astype(do.dtype), do)
         dscores_t = probs_t * (dot_nt(v, do) - delta_ref[pl.ds(i, 1), :])  # [bk, bq]
-        dk = dk + jnp.dot(dscores_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+        dk = dk + dot_nn(dscores_t.astype(q.dtype), q)
         return dk, dv
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
