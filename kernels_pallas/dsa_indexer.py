@@ -251,6 +251,8 @@ def indexer_topk(queries, keys, weights, query_positions, key_positions, query_s
     """
     _check_inputs(queries, keys, weights, query_positions, key_positions, query_segment_ids,
                   key_segment_ids, topk)
+    # The selection carries no gradient; stopping it here keeps autodiff out of the pallas_call.
+    queries, keys, weights = jax.lax.stop_gradient((queries, keys, weights))
     backend = resolve_backend(backend)
     batch, t_len, heads, dim = queries.shape
     s_len = keys.shape[1]
@@ -293,7 +295,7 @@ def indexer_topk(queries, keys, weights, query_positions, key_positions, query_s
     gap = jnp.where(following == INT32_MIN, jnp.inf, code_to_float(threshold) - code_to_float(following))
     if k == s_len:  # select_topk: no (k+1)-th key at all
         gap = jnp.full_like(gap, jnp.inf)
-    return jax.lax.stop_gradient(indices[:, :t_len, :k]), jax.lax.stop_gradient(gap)
+    return indices[:, :t_len, :k], gap
 
 
 # ----------------------------------------------------------------------------- benchmarks

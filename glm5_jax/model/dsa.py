@@ -30,6 +30,9 @@ class IndexerSpec:
     qk_rope_head_dim: int
     index_norm_eps: float
     initializer_range: float
+    # "reference": dense [T, S] scores + lax.top_k (below); "pallas": the fused score + top-k kernel
+    # (kernels_pallas/dsa_indexer.py), whose indices come in key order instead of score order.
+    impl: str = "reference"
 
 
 def base_mask(positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -69,12 +72,17 @@ def combine_index_scores(x, queries, keys, weights_proj) -> jax.Array:
     x: [B, T, D] (for the head weights w = x Wiw / sqrt(M)); queries: [B, T, M, H];
     keys: [B, S, H]; weights_proj: [D, M]. Returns [B, T, S].
     """
-    num_index_heads, index_head_dim = queries.shape[-2:]
+    index_head_dim = queries.shape[-1]
     scores = jnp.einsum("BTMH,BSH->BTMS", queries.astype(jnp.float32), keys.astype(jnp.float32))
     scores = jax.nn.relu(scores * index_head_dim**-0.5)
-    head_weights = jnp.einsum("BTD,DM->BTM", x.astype(jnp.float32),
-                              weights_proj.astype(jnp.float32)) * num_index_heads**-0.5
-    return jnp.einsum("BTM,BTMS->BTS", head_weights, scores)
+    return jnp.einsum("BTM,BTMS->BTS", index_head_weights(x, weights_proj), scores)
+
+
+def index_head_weights(x, weights_proj) -> jax.Array:
+    """w = x Wiw / sqrt(M) in float32. x: [B, T, D]; weights_proj: [D, M] -> [B, T, M]."""
+    num_index_heads = weights_proj.shape[-1]
+    return jnp.einsum("BTD,DM->BTM", x.astype(jnp.float32),
+                      weights_proj.astype(jnp.float32)) * num_index_heads**-0.5
 
 
 def indexer_scores(x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -113,6 +121,20 @@ def select_topk(scores: jax.Array, allowed: jax.Array, topk: int) -> tuple[jax.A
     return jax.lax.stop_gradient(indices.astype(jnp.int32)), jax.lax.stop_gradient(gap)
 
 
+def fused_indexer_topk(x, q_latent, cos, sin, wq_b, wk, k_norm_scale, k_norm_bias, weights_proj,
+                       positions, segment_ids, spec: IndexerSpec):
+    """`select_topk(indexer_scores(...), base_mask(...))` through the fused Pallas kernel (no [T, S]
+    scores in memory). Shapes as `indexer_scores`; positions, segment_ids: [B, T].
+    Returns (indices [B, T, k] in key order, boundary gap [B, T])."""
+    from kernels_pallas.dsa_indexer import indexer_topk  # kernels are optional for the reference path
+
+    queries = indexer_queries(q_latent, cos, sin, wq_b, spec.qk_rope_head_dim)
+    keys = indexer_keys(x, cos, sin, wk, k_norm_scale, k_norm_bias, spec.qk_rope_head_dim,
+                        spec.index_norm_eps)
+    return indexer_topk(queries, keys, index_head_weights(x, weights_proj), positions, positions,
+                        segment_ids, segment_ids, topk=spec.index_topk)
+
+
 class Indexer(nn.Module):
     """The lightning indexer's weights and its top-k selection."""
 
@@ -120,10 +142,12 @@ class Indexer(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, q_latent, cos, sin, allowed, run, previous_indices):
+    def __call__(self, x, q_latent, cos, sin, allowed, run, previous_indices, positions=None,
+                 segment_ids=None):
         """Selects keys on layers that run the indexer; other layers reuse `previous_indices`.
 
-        x: [B, T, D]; q_latent: [B, T, R]; cos, sin: [B, T, rope_dim/2]; allowed: bool [B, T, S];
+        x: [B, T, D]; q_latent: [B, T, R]; cos, sin: [B, T, rope_dim/2]; allowed: bool [B, T, S]
+        (impl "reference"; None with impl "pallas", which reads positions, segment_ids [B, T]);
         run: bool scalar (traced under scan) or a Python bool; previous_indices: [B, T, k].
         Returns (topk indices [B, T, k] int32, boundary gap [B, T]); see `select_topk`.
         """
@@ -145,6 +169,10 @@ class Indexer(nn.Module):
         def run_indexer():
             # The indexer is not trained by the language-model loss (the reference runs it
             # under no_grad); its output is a discrete selection anyway.
+            if spec.impl == "pallas":
+                return fused_indexer_topk(jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), cos,
+                                          sin, wq_b, wk, k_norm_scale, k_norm_bias, weights_proj,
+                                          positions, segment_ids, spec)
             scores = indexer_scores(
                 jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), cos, sin, wq_b, wk,
                 k_norm_scale, k_norm_bias, weights_proj, rope_dim=spec.qk_rope_head_dim,

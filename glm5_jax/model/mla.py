@@ -4,6 +4,8 @@ Query path: r = RMS(u Wqa) (q_lora_rank wide); q = r Wqb -> [N, nope + rope].
 KV path:    c = u Wkva; latent = RMS(c[:kv_lora_rank]); k_rope = c[kv_lora_rank:] (one head);
             [k_nope, v] = latent Wkvb per head; K = [k_nope, k_rope broadcast over heads].
 Scores Q.K / sqrt(qk_head_dim), softmax in float32 over the allowed keys, o = P V, out = o Wo.
+With attention_impl="pallas" the same attention runs through kernels_pallas (gathered top-k
+attention in the absorbed form on DSA layers, flash attention on sliding-window layers).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class AttentionSpec:
     rope_theta: float
     initializer_range: float
     indexer: IndexerSpec
+    # "reference": dense [B, T, S] masks and `attend`; "pallas": gathered top-k attention on DSA
+    # layers and flash attention on sliding-window layers (`pallas_attention`).
+    attention_impl: str = "reference"
 
     @property
     def qk_head_dim(self) -> int:
@@ -109,6 +114,48 @@ def absorbed_attention(q_nope, q_rope, latent, k_rope, kv_b_proj, allowed):
     return jnp.einsum("BTNR,RNH->BTNH", context, kv_b_proj[..., nope_dim:])
 
 
+def sparse_latent_attention(q_nope, q_rope, latent, k_rope, kv_b_proj, indices, positions, segment_ids):
+    """DSA attention over each query's selected keys only (kernels_pallas.sparse_attention), in the
+    absorbed form: Wkvb's key half folded into the query, its value half applied to the context.
+
+    q_nope: [B, T, N, nope]; q_rope: [B, T, N, rope] (rotated); latent: [B, S, Rkv];
+    k_rope: [B, S, rope] (rotated); kv_b_proj: [Rkv, N, nope + Hv]; indices: [B, T, K];
+    positions, segment_ids: [B, T]. Returns [B, T, N, Hv], equal to `attend` with the
+    causal & same-document & selected mask.
+    """
+    from kernels_pallas.sparse_attention import sparse_attention  # kernels stay optional
+
+    nope_dim = q_nope.shape[-1]
+    q_absorbed = jnp.einsum("BTNH,RNH->BTNR", q_nope, kv_b_proj[..., :nope_dim])  # [B, T, N, Rkv]
+    context = sparse_attention(q_absorbed, q_rope, latent, k_rope, indices, positions, positions,
+                               segment_ids, segment_ids, scale=(nope_dim + q_rope.shape[-1]) ** -0.5)
+    return jnp.einsum("BTNR,RNH->BTNH", context, kv_b_proj[..., nope_dim:])
+
+
+def pallas_attention(spec: AttentionSpec, q_nope, q_rope, latent, k_rope, kv_b_proj, indices, positions,
+                     segment_ids, sliding):
+    """attention_impl="pallas": sparse attention on DSA layers, flash attention on sliding-window
+    layers (`sliding`: Python bool, or a traced bool under a scanned stack of mixed layers).
+    Shapes as `sparse_latent_attention`. Returns [B, T, N, Hv]."""
+    from kernels_pallas.flash_attention import flash_attention
+
+    def dsa():
+        return sparse_latent_attention(q_nope, q_rope, latent, k_rope, kv_b_proj, indices, positions,
+                                       segment_ids)
+
+    def window():
+        key, value = expand_latent(latent, k_rope, kv_b_proj, q_nope.shape[-1])
+        query = jnp.concatenate([q_nope, q_rope], axis=-1)
+        return flash_attention(query, key, value, positions, positions, segment_ids, segment_ids,
+                               sliding_window=spec.sliding_window).astype(value.dtype)
+
+    if spec.sliding_window == 0 or sliding is False:
+        return dsa()
+    if sliding is True:
+        return window()
+    return jax.lax.cond(sliding, window, dsa)
+
+
 class MLAttention(nn.Module):
     spec: AttentionSpec
     param_dtype: jnp.dtype = jnp.float32
@@ -146,14 +193,23 @@ class MLAttention(nn.Module):
         cos, sin = rope_angles(positions, spec.qk_rope_head_dim, spec.rope_theta)
         q_rope = apply_rope(q_rope, cos, sin)
         k_rope = apply_rope(k_rope, cos, sin)
+        indexer = Indexer(spec.indexer, self.param_dtype, name="indexer")
+        if spec.attention_impl == "pallas":  # no dense [B, T, S] mask unless the indexer needs one
+            allowed = None if spec.indexer.impl == "pallas" else base_mask(positions, segment_ids)
+            indices, gap = indexer(x, q_latent, cos, sin, allowed, kinds.run_indexer, previous_indices,
+                                   positions, segment_ids)
+            out = pallas_attention(spec, constrain(q_nope, ("batch", "length", "heads", "head_dim")),
+                                   q_rope, latent, k_rope, kv_b_proj, indices, positions, segment_ids,
+                                   kinds.sliding)
+            return jnp.einsum("BTNH,NHD->BTD", out, o_proj), indices, gap
         query = constrain(jnp.concatenate([q_nope, q_rope], axis=-1),
                           ("batch", "length", "heads", "head_dim"))
         key, value = expand_latent(latent, k_rope, kv_b_proj, spec.qk_nope_head_dim)
 
         # Which keys each query may see.
         allowed = base_mask(positions, segment_ids)  # [B, T, S]
-        indices, gap = Indexer(spec.indexer, self.param_dtype, name="indexer")(
-            x, q_latent, cos, sin, allowed, kinds.run_indexer, previous_indices)
+        indices, gap = indexer(x, q_latent, cos, sin, allowed, kinds.run_indexer, previous_indices,
+                               positions, segment_ids)
         dsa_allowed = allowed & selection_mask(indices, allowed.shape[-1])
         if spec.sliding_window > 0 and kinds.sliding is not False:
             window_allowed = allowed & sliding_window_mask(positions, spec.sliding_window)
