@@ -118,7 +118,8 @@ def paged_step(config: ModelConfig, params, cache, tokens, positions, block_tabl
     num_pages, page_size = any_stack["latent"].shape[1:3]
     max_keys = block_tables.shape[1] * page_size
     valid = positions >= 0
-    page_index = jnp.take_along_axis(block_tables, jnp.maximum(positions, 0)[:, None] // page_size, axis=1)[:, 0]
+    page_of_position = jnp.maximum(positions, 0)[:, None] // page_size
+    page_index = jnp.take_along_axis(block_tables, page_of_position, axis=1)[:, 0]
     page_index = jnp.where(valid, page_index, num_pages)  # padding: out of range, write dropped
     row = jnp.maximum(positions, 0) % page_size
     causal = jnp.arange(max_keys)[None, :] <= positions[:, None]  # [T, S]; all False for padding
@@ -151,12 +152,14 @@ def paged_step(config: ModelConfig, params, cache, tokens, positions, block_tabl
                 indexer = weights["indexer"]
                 keys = indexer_keys(normed, p.cos, p.sin, indexer["wk"], indexer["k_norm_scale"],
                                     indexer["k_norm_bias"], config.qk_rope_head_dim, config.index_norm_eps)
-                layer_cache["index_keys"] = _write_pages(layer_cache["index_keys"], keys[:, 0], page_index, row)
+                layer_cache["index_keys"] = _write_pages(layer_cache["index_keys"], keys[:, 0], page_index,
+                                                         row)
 
                 def run():
-                    queries = indexer_queries(p.q_latent, p.cos, p.sin, indexer["wq_b"], config.qk_rope_head_dim)
-                    scores = combine_index_scores(normed, queries, _gather(layer_cache["index_keys"], block_tables),
-                                                  indexer["weights_proj"])  # [T, 1, S]
+                    queries = indexer_queries(p.q_latent, p.cos, p.sin, indexer["wq_b"],
+                                              config.qk_rope_head_dim)
+                    keys = _gather(layer_cache["index_keys"], block_tables)  # [T, S, H]
+                    scores = combine_index_scores(normed, queries, keys, indexer["weights_proj"])  # [T, 1, S]
                     return select_topk(scores, causal[:, None], topk)[0]
 
                 run_now = run_flag if kinds.uniform_run is None else kinds.uniform_run
@@ -185,7 +188,8 @@ def paged_step(config: ModelConfig, params, cache, tokens, positions, block_tabl
                 allowed = window_allowed[:, None]  # [T, 1, S]
                 if has_dsa:
                     dsa_allowed = causal[:, None] & selection_mask(selected, max_keys)
-                    allowed = jnp.where(sliding, allowed, dsa_allowed) if kinds.mode == "mixed" else dsa_allowed
+                    mixed = kinds.mode == "mixed"
+                    allowed = jnp.where(sliding, allowed, dsa_allowed) if mixed else dsa_allowed
                 out = absorbed_attention(p.q_nope, p.q_rope, _gather(layer_cache["latent"], block_tables),
                                          _gather(layer_cache["k_rope"], block_tables), w["kv_b_proj"],
                                          allowed)
