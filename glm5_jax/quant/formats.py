@@ -18,6 +18,7 @@ Dequantized x = values * scale (times the per-matrix scale for nvfp4).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -180,7 +181,9 @@ def quantize_nvfp4(weight: jax.Array, in_ndim: int = 1, out_ndim: int = 1) -> Qu
 QUANTIZERS = {"fp8": quantize_fp8, "nvfp4": quantize_nvfp4, "int8": quantize_int8}
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def quantize(weight: jax.Array, fmt: str, in_ndim: int = 1, out_ndim: int = 1) -> QuantizedTensor:
+    """weight [..., *in_shape, *out_shape] -> QuantizedTensor in format `fmt` (jitted)."""
     if fmt not in QUANTIZERS:
         raise QuantizationError(f"unknown quantization format {fmt!r}; known: {', '.join(FORMATS)}")
     return QUANTIZERS[fmt](weight, in_ndim, out_ndim)
@@ -208,6 +211,7 @@ def dequantize_matrices(q: QuantizedTensor, dtype=None) -> jax.Array:
     return out.astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def dequantize(q: QuantizedTensor, dtype=None) -> jax.Array:
     """QuantizedTensor -> the weight in its logical shape, in `dtype` (default: the original)."""
     matrices = dequantize_matrices(q, dtype)

@@ -3,8 +3,7 @@
 A recipe is an ml_collections config file (`configs/quant/<name>.py`, or any path) whose
 `get_config()` returns
 
-    {"formats": {<module class>: "fp8" | "nvfp4" | "int8" | "none", ...},   # missing: "none"
-     "compute": "dequantize" | "native_fp8"}                                 # optional
+    {"formats": {<module class>: "fp8" | "nvfp4" | "int8" | "none", ...}}   # missing: "none"
 
 Module classes (see `weight_layout`): attention (q_a, q_b, kv_a, kv_b, o projections), indexer
 (DSA wq_b, wk), dense_mlp, routed_experts, shared_expert, embedding, head (lm_head),
@@ -15,6 +14,7 @@ indexer's head weights (float32).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from pathlib import Path
@@ -28,7 +28,6 @@ from glm5_jax.quant.formats import FORMATS, QuantizationError, is_quantized, qua
 
 MODULE_CLASSES = ("attention", "indexer", "dense_mlp", "routed_experts", "shared_expert",
                   "embedding", "head", "mtp_projection")
-COMPUTE_MODES = ("dequantize", "native_fp8")
 ALWAYS_FLOAT = ("router", "router_bias", "weights_proj", "norms")  # named in errors only
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "configs" / "quant"
 
@@ -79,7 +78,6 @@ def weight_layout(path: tuple[str, ...]) -> WeightLayout | None:
 class Recipe:
     name: str
     formats: tuple[tuple[str, str], ...]  # (module class, format or "none"), every class
-    compute: str = "dequantize"
 
     def format_of(self, module_class: str) -> str:
         return dict(self.formats)[module_class]
@@ -87,10 +85,10 @@ class Recipe:
 
 def recipe_from_dict(name: str, raw: dict) -> Recipe:
     """Validates a recipe's fields (see the module docstring) -> Recipe."""
-    unknown_keys = sorted(set(raw) - {"formats", "compute"})
+    unknown_keys = sorted(set(raw) - {"formats"})
     if unknown_keys:
         raise QuantizationError(f"recipe {name}: unknown field(s) {unknown_keys}; "
-                                "a recipe has 'formats' and optionally 'compute'")
+                                "a recipe has one field, 'formats'")
     formats = dict(raw.get("formats", {}))
     for module_class, fmt in formats.items():
         if module_class in ALWAYS_FLOAT:
@@ -102,14 +100,7 @@ def recipe_from_dict(name: str, raw: dict) -> Recipe:
         if fmt not in FORMATS + ("none",):
             raise QuantizationError(f"recipe {name}: unknown format {fmt!r} for {module_class}; "
                                     f"known: {', '.join(FORMATS)}, none")
-    compute = raw.get("compute", "dequantize")
-    if compute not in COMPUTE_MODES:
-        raise QuantizationError(f"recipe {name}: unknown compute {compute!r}; known: "
-                                f"{', '.join(COMPUTE_MODES)}")
-    if compute == "native_fp8" and not any(formats.get(c) == "fp8" for c in MODULE_CLASSES):
-        raise QuantizationError(f"recipe {name}: compute 'native_fp8' needs an fp8 module class")
-    full = tuple((c, formats.get(c, "none")) for c in MODULE_CLASSES)
-    return Recipe(name, full, compute)
+    return Recipe(name, tuple((c, formats.get(c, "none")) for c in MODULE_CLASSES))
 
 
 def builtin_recipes() -> list[str]:
@@ -149,20 +140,28 @@ def _set(tree: dict, path, value) -> None:
 def quantize_params(params, recipe: str | os.PathLike | Recipe):
     """Params dict -> a new params dict whose weights are QuantizedTensors where the recipe says.
 
-    Works leaf by leaf (peak memory: the params plus one leaf's temporaries).
+    All chosen weights are quantized in one jitted program (one compilation per model, not per
+    weight shape); the others are passed through untouched.
     """
     recipe = load_recipe(recipe)
-    out: dict = {}
+    chosen, plan, out = [], [], {}
     for path, leaf in _walk(params):
         layout = None if is_quantized(leaf) else weight_layout(path)
         fmt = "none" if layout is None else recipe.format_of(layout.module_class)
-        if fmt != "none":
-            leaf = _quantize_jit(leaf, fmt, layout.in_ndim, layout.out_ndim)
-        _set(out, path, leaf)
+        if fmt == "none":
+            _set(out, path, leaf)
+        else:
+            chosen.append(leaf)
+            plan.append((path, fmt, layout.in_ndim, layout.out_ndim))
+    for (path, *_), quantized in zip(plan, _quantize_all(chosen, tuple(p[1:] for p in plan)),
+                                      strict=True):
+        _set(out, path, quantized)
     return out
 
 
-_quantize_jit = jax.jit(quantize, static_argnums=(1, 2, 3))
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_all(leaves: list, plan: tuple[tuple[str, int, int], ...]) -> list:
+    return [quantize(leaf, *spec) for leaf, spec in zip(leaves, plan, strict=True)]
 
 
 def leaf_bytes(leaf, dtype=None) -> int:
