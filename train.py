@@ -37,11 +37,18 @@ from tqdm import tqdm
 from glm5_jax import data as data_lib
 from glm5_jax.model import ConfigError, ModelConfig, init_params
 from glm5_jax.model.count import count_params
+from glm5_jax.parallel import sharding as sharding_lib
+from glm5_jax.parallel.mesh import MeshError, MeshSpec, initialize_distributed, make_mesh
 from glm5_jax.train.checkpoints import RunCheckpoints
 from glm5_jax.train.metrics import MetricsLog
 from glm5_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from glm5_jax.train.settings import TrainSettings
-from glm5_jax.train.step import init_train_state, make_eval_step, make_train_step
+from glm5_jax.train.step import (
+    init_train_state,
+    make_eval_step,
+    make_train_step,
+    train_state_shardings,
+)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/demo.py", "Training config file (a Python file with get_config()).")
@@ -88,6 +95,7 @@ def evaluate(eval_step, params, batches) -> dict[str, float]:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax reports every file it writes at INFO
+    initialize_distributed()  # multi-host: JAX's runtime from the cluster environment; else no-op
     # ---------------------------------------------------------------- config
     config = _CONFIG.value
     config_name = Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem
@@ -95,7 +103,15 @@ def main(argv):
         model_config = ModelConfig.from_dict(config.model)
         settings = TrainSettings.from_config(config)
         sources = [data_lib.source_spec_from_dict(dict(s)) for s in config.data.sources]
-    except (ConfigError, ValueError) as error:
+        # config.mesh (optional): axis sizes; config.sharding_rules: logical axis overrides.
+        mesh = None
+        if "mesh" in config:
+            mesh = make_mesh(MeshSpec.from_dict(config.mesh), model_config)
+            rules = sharding_lib.make_rules(config.get("sharding_rules"))
+            if settings.batch_size % jax.process_count():
+                raise ValueError(f"batch_size={settings.batch_size} must divide over "
+                                 f"{jax.process_count()} hosts")
+    except (ConfigError, MeshError, ValueError) as error:
         raise SystemExit(f"error: bad config: {error}") from None
     workdir = prepare_workdir(_WORKDIR.value or f"runs/{config_name}")
     run_config = config.to_dict()
@@ -112,8 +128,9 @@ def main(argv):
     tokenizer.save(str(workdir / "tokenizer.json"))
     data_options = dict(seq_len=config.data.seq_len, seed=config.data.seed,
                         validation_fraction=config.data.validation_fraction)
+    # batch_size is global; each host loads its own rows from its own shard of the documents.
     train_batches = data_lib.make_train_iterator(
-        sources, tokenizer, batch_size=settings.batch_size,
+        sources, tokenizer, batch_size=settings.batch_size // jax.process_count(),
         shard_index=jax.process_index(), shard_count=jax.process_count(), **data_options)
     validation_batches = data_lib.make_validation_batches(
         sources, tokenizer, batch_size=settings.batch_size, max_batches=settings.eval_batches,
@@ -127,16 +144,33 @@ def main(argv):
     resume_step = checkpoints.latest_step()
     make_state = lambda: init_train_state(init_params(model_config, settings.seed), optimizer)  # noqa: E731
     if resume_step is None:
-        state = make_state()
+        if mesh is None:
+            state = make_state()
+        else:  # initialise each shard where it lives (a large model never exists on one device)
+            state = jax.jit(make_state, out_shardings=train_state_shardings(
+                model_config, optimizer, mesh, rules))()
     else:
-        state, data_state, _ = checkpoints.restore(resume_step, jax.eval_shape(make_state))
+        abstract = jax.eval_shape(make_state)
+        if mesh is not None:  # restore straight into the mesh layout
+            abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                                    train_state_shardings(model_config, optimizer, mesh, rules))
+        state, data_state, _ = checkpoints.restore(resume_step, abstract)
         train_batches.set_state(data_state)
     counts = count_params(model_config)
     print(f"model: {counts['total'] / 1e6:.1f}M params ({counts['active'] / 1e6:.1f}M active, "
           f"MTP {counts['mtp'] / 1e6:.1f}M); tokenizer vocab {tokenizer.get_vocab_size()}; "
           f"workdir {workdir}" + (f"; resuming at step {resume_step}" if resume_step else ""),
           flush=True)
-    train_step = make_train_step(model_config, settings, optimizer)
+    if mesh is None:
+        train_step = make_train_step(model_config, settings, optimizer)
+        place_batch = lambda batch: batch  # noqa: E731
+    else:
+        train_step = make_train_step(model_config, settings, optimizer, mesh, rules)
+        batch_sharding = sharding_lib.batch_sharding(mesh, rules)
+        place_batch = lambda batch: {  # noqa: E731
+            key: jax.make_array_from_process_local_data(batch_sharding, np.asarray(value))
+            for key, value in batch.items()}
+        print("mesh: " + ", ".join(f"{name}={size}" for name, size in mesh.shape.items()), flush=True)
     eval_step = make_eval_step(model_config, token_bytes)
     schedule = learning_rate_schedule(settings)
     metrics_log = MetricsLog(workdir, resume_step)
@@ -153,7 +187,7 @@ def main(argv):
                     mininterval=1.0, file=sys.stdout)
     while step < settings.num_train_steps and stop.signal_name is None:
         started = time.perf_counter()
-        batch = next(train_batches)
+        batch = place_batch(next(train_batches))
         state, metrics = train_step(state, batch)
         step += 1
         loss = float(metrics["loss"])  # waits for the step: the timing below is honest

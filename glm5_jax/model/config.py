@@ -112,6 +112,9 @@ class ModelConfig:
     # 0 means dropless (capacity = the worst case), equal to the unsharded MoE.
     expert_dispatch: str = "all_to_all"
     expert_capacity_factor: float = 0.0
+    # Pipeline parallelism (used when the mesh has a pipeline axis > 1): microbatches per batch
+    # in the GPipe schedule; 0 picks 4 x stages (or the largest of 2x, 1x dividing the batch).
+    pipeline_microbatches: int = 0
 
     # ------------------------------------------------------------------ derived
     @property
@@ -214,6 +217,7 @@ class ModelConfig:
             require(getattr(self, field) in KERNEL_IMPLS, field, f"must be one of {KERNEL_IMPLS}")
         require(self.expert_dispatch in EXPERT_DISPATCHES, "expert_dispatch",
                 f"must be one of {EXPERT_DISPATCHES}")
+        require(self.pipeline_microbatches >= 0, "pipeline_microbatches", "must be >= 0 (0 = automatic)")
         require(self.expert_capacity_factor == 0 or self.expert_capacity_factor >= 1,
                 "expert_capacity_factor", "must be 0 (dropless) or >= 1")
 

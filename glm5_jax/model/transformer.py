@@ -20,6 +20,7 @@ from glm5_jax.model.layers import MLP, RMSNorm, declare_weight, normal_init
 from glm5_jax.model.mla import AttentionSpec, LayerKinds, MLAttention
 from glm5_jax.model.moe import MoE, MoESpec
 from glm5_jax.parallel import constrain
+from glm5_jax.parallel.pipeline import default_microbatches, pipeline_stages, run_pipeline
 
 
 def attention_spec(config: ModelConfig) -> AttentionSpec:
@@ -104,6 +105,64 @@ def _stack_flags(config: ModelConfig, layers: range):
     return jnp.asarray(run), jnp.asarray(sliding), uniform_run, uniform_sliding
 
 
+def _flatten_sown(tree, prefix: str = "") -> dict[str, jax.Array]:
+    """{"moe": {"expert_load": (v,)}} -> {"moe/expert_load": v}."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten_sown(value, f"{prefix}{key}/"))
+        else:
+            flat[prefix + key] = value[0]
+    return flat
+
+
+def _sow_flat(module: nn.Module, flat: dict[str, jax.Array]) -> None:
+    """Sows {"a/b": v} as intermediates of child `a` named `b` (call from a compact method)."""
+    children: dict[str, dict[str, jax.Array]] = {}
+    for path, value in flat.items():
+        head, _, rest = path.partition("/")
+        if rest:
+            children.setdefault(head, {})[rest] = value
+        else:
+            module.sow("intermediates", head, value)
+    for name, subtree in children.items():
+        _Sow(name=name)(subtree)
+
+
+class _Sow(nn.Module):
+    @nn.compact
+    def __call__(self, flat: dict[str, jax.Array]):
+        _sow_flat(self, flat)
+
+
+class PipelinedStack(nn.Module):
+    """A scanned layer stack run as a GPipe pipeline (glm5_jax.parallel.pipeline). Reads the
+    stack's [L, ...] params (same names as the nn.scan version) and sows the same diagnostics."""
+
+    config: ModelConfig = None
+    ffn: str = "moe"
+    uniform_run_indexer: bool | None = True
+    uniform_sliding: bool | None = False
+
+    @nn.compact
+    def __call__(self, carry, positions, segment_ids, run_flags, sliding_flags):
+        config = self.config
+        layer = _maybe_remat(DecoderLayer, config.remat)(
+            config, self.ffn, self.uniform_run_indexer, self.uniform_sliding)
+
+        def layer_fn(layer_params, carry, positions, segment_ids, flags):
+            (carry, _), state = layer.apply({"params": layer_params}, carry, positions, segment_ids, *flags,
+                                            mutable=["intermediates"])
+            return carry, _flatten_sown(state["intermediates"])
+
+        microbatches = default_microbatches(pipeline_stages(), carry[0].shape[0],
+                                            config.pipeline_microbatches)
+        carry, sown = run_pipeline(layer_fn, self.variables["params"], carry, positions, segment_ids,
+                                   (run_flags, sliding_flags), microbatches=microbatches)
+        _sow_flat(self, sown)
+        return carry
+
+
 class MTPHead(nn.Module):
     """Multi-token prediction: predicts token t+2 from (hidden_t, embedding of token t+1)."""
 
@@ -145,8 +204,10 @@ class Transformer(nn.Module):
         init = normal_init(config.initializer_range)
         embed = declare_weight(self, "embed", (config.vocab_size, config.hidden_size),
                                ("vocab", "embed"), param_dtype, init)
-        x = embed[input_ids].astype(dtype)
-        x = constrain(x, ("batch", "length", "embed"))
+        # Gather the table's embed shards once (rows stay split over the vocab rule), so the
+        # lookup's output can take the batch sharding instead of being replicated.
+        table = constrain(embed.astype(dtype), ("vocab", None))
+        x = constrain(table[input_ids], ("batch", "length", "embed"))
         batch, length = input_ids.shape
         indices = jnp.zeros((batch, length, min(config.index_topk, length)), jnp.int32)
 
@@ -156,13 +217,19 @@ class Transformer(nn.Module):
             if not layers:
                 continue
             run, sliding, uniform_run, uniform_sliding = _stack_flags(config, layers)
+            if ffn == "moe" and pipeline_stages() > 1 and not self.is_initializing():
+                x, indices = PipelinedStack(config=config, ffn=ffn, uniform_run_indexer=uniform_run,
+                                            uniform_sliding=uniform_sliding, name=name)(
+                    (x, indices), positions, segment_ids, run, sliding)
+                continue
             stack = nn.scan(
                 _maybe_remat(DecoderLayer, config.remat),
                 variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, 0, 0),
                 length=len(layers),
-                metadata_params={nn.PARTITION_NAME: "layers"},
+                # Only the MoE stack is pipelined: its layer axis is "layers" (-> pipeline).
+                metadata_params={nn.PARTITION_NAME: "layers" if ffn == "moe" else "prefix_layers"},
             )(config, ffn, uniform_run, uniform_sliding, name=name)
             (x, indices), _ = stack((x, indices), positions, segment_ids, run, sliding)
 
@@ -173,7 +240,7 @@ class Transformer(nn.Module):
                             preferred_element_type=jnp.float32)
         outputs = {"logits": logits, "hidden": hidden}
         if with_mtp and config.num_mtp_layers:
-            next_embeddings = embed[input_ids[:, 1:]].astype(dtype)
+            next_embeddings = constrain(table[input_ids[:, 1:]], ("batch", "length", "embed"))
             outputs["mtp_logits"] = MTPHead(config, name="mtp")(
                 hidden[:, :-1], next_embeddings, positions[:, :-1], segment_ids[:, :-1], lm_head)
         return outputs

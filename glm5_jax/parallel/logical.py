@@ -7,7 +7,8 @@ import jax
 
 # Logical axis name -> what it indexes. Weights and activations use only these names.
 AXIS_NAMES = {
-    "layers": "stacked decoder layers (the scan axis)",
+    "layers": "stacked MoE decoder layers (the scan axis; split into pipeline stages)",
+    "prefix_layers": "stacked dense-prefix decoder layers (the scan axis; never pipelined)",
     "vocab": "vocabulary entries",
     "embed": "model width (hidden_size)",
     "embed_concat": "the MTP head's input, [embedding, hidden] concatenated (2 x hidden_size)",

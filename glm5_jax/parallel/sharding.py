@@ -33,6 +33,7 @@ DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp", "expert")),
     ("length", None),
     ("layers", "pipeline"),
+    ("prefix_layers", None),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("embed_concat", None),

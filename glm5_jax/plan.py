@@ -1,0 +1,217 @@
+"""Plan a run ahead of time: compile the full train step (or a serving decode step) for a mesh of
+fake CPU devices on abstract inputs (nothing is allocated) and report per-device memory.
+
+    python -m glm5_jax.plan --config configs/glm5.py --mesh fsdp=16,expert=16 --devices 256 \\
+        --batch 256 --seq_len 4096
+    python -m glm5_jax.plan --config configs/glm5.py --mesh expert=16,tensor=2 --devices 32 \\
+        --serve --batch 64 --context 32768
+
+Params, optimizer state (or the decode cache) are counted from their shardings; activations and
+other temporaries come from the compiled executable's memory analysis (XLA:CPU's buffer
+assignment for the per-device program: a close proxy for GPU/TPU, which fuse differently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+GIB = 1024**3
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m glm5_jax.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="config file with a `model` section")
+    parser.add_argument("--mesh", required=True, help="axis sizes, e.g. fsdp=16,expert=16 (one may be -1)")
+    parser.add_argument("--devices", type=int, default=0, help="fake CPU devices (default: mesh product)")
+    parser.add_argument("--batch", type=int, default=0, help="global batch rows (train) or sequences (serve)")
+    parser.add_argument("--seq_len", type=int, default=4096, help="train sequence length")
+    parser.add_argument("--serve", action="store_true", help="plan the serving decode step instead")
+    parser.add_argument("--context", type=int, default=32768, help="serve: cache length per sequence")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a model field, e.g. --set remat=full (repeatable)")
+    parser.add_argument("--top", type=int, default=8, help="how many of the largest tensors to list")
+    return parser.parse_args(argv)
+
+
+def _parse_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def _mesh_product(text: str) -> int:
+    product = 1
+    for item in filter(None, text.split(",")):
+        size = int(item.split("=")[1])
+        product *= max(size, 1)
+    return product
+
+
+def _fmt(nbytes: float) -> str:
+    if nbytes < GIB:
+        return f"{nbytes / 1024**2:8.2f} MiB"
+    return f"{nbytes / GIB:8.2f} GiB"
+
+
+def _largest(abstract, shardings, top: int):
+    import jax
+
+    rows = []
+    for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(abstract),
+                                      jax.tree.leaves(shardings), strict=True):
+        shard = sharding.shard_shape(leaf.shape)
+        size = leaf.dtype.itemsize
+        for dim in shard:
+            size *= dim
+        name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        rows.append((size, name, leaf.shape, leaf.dtype, sharding.spec))
+    rows.sort(key=lambda row: -row[0])
+    return rows[:top]
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    devices = args.devices or _mesh_product(args.mesh)
+    # Must happen before JAX creates its CPU backend.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={devices}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import jax
+    import jax.numpy as jnp
+
+    from glm5_jax.config_files import load_model_config
+    from glm5_jax.model.config import ConfigError
+    from glm5_jax.model.count import count_params
+    from glm5_jax.parallel import sharding
+    from glm5_jax.parallel.mesh import MeshError, MeshSpec, make_mesh
+
+    try:
+        overrides = dict(item.split("=", 1) for item in args.set)
+        config = load_model_config(args.config, **{k: _parse_value(v) for k, v in overrides.items()})
+        mesh = make_mesh(MeshSpec.parse(args.mesh), config, jax.devices()[:devices])
+    except (ConfigError, MeshError, ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    rules = sharding.DEFAULT_RULES
+    counts = count_params(config)
+    print(f"model: {counts['total'] / 1e9:.1f}B params ({counts['active'] / 1e9:.1f}B active); "
+          f"dtype {config.dtype}, params {config.param_dtype}, remat {config.remat}, moe_impl {config.moe_impl}, "
+          f"capacity factor {config.expert_capacity_factor or 'dropless'}")
+    print("mesh: " + ", ".join(f"{name}={size}" for name, size in mesh.shape.items()) + f" ({devices} devices)")
+    started = time.perf_counter()
+    if args.serve:
+        report = _plan_serve(args, config, mesh, rules)
+    else:
+        report = _plan_train(args, config, mesh, rules)
+    print(f"compiled in {time.perf_counter() - started:.0f} s")
+    for line in report:
+        print(line)
+    del jnp
+    return 0
+
+
+def _memory_lines(compiled, parts: dict[str, float]) -> list[str]:
+    analysis = compiled.memory_analysis()
+    temp = float(analysis.temp_size_in_bytes)
+    arguments = float(analysis.argument_size_in_bytes)
+    outputs = float(analysis.output_size_in_bytes)
+    aliased = float(getattr(analysis, "alias_size_in_bytes", 0))
+    lines = ["", "per-device memory:"]
+    for name, value in parts.items():
+        lines.append(f"  {name:<34}{_fmt(value)}")
+    lines.append(f"  {'activations + temporaries (XLA)':<34}{_fmt(temp)}")
+    peak = arguments + outputs - aliased + temp
+    lines.append(f"  {'arguments (compiled)':<34}{_fmt(arguments)}")
+    lines.append(f"  {'outputs not aliased to inputs':<34}{_fmt(outputs - aliased)}")
+    lines.append(f"  {'total (arguments + outputs + temp)':<34}{_fmt(peak)}")
+    return lines
+
+
+def _plan_train(args, config, mesh, rules) -> list[str]:
+    import jax
+    import jax.numpy as jnp
+
+    from glm5_jax.model.transformer import param_shapes
+    from glm5_jax.parallel import sharding
+    from glm5_jax.train.optimizer import make_optimizer
+    from glm5_jax.train.settings import TrainSettings
+    from glm5_jax.train.step import init_train_state, make_train_step, train_state_shardings
+
+    batch_rows = args.batch or mesh.size
+    settings = TrainSettings(batch_size=batch_rows)
+    optimizer = make_optimizer(settings)
+    state_sharding = train_state_shardings(config, optimizer, mesh, rules)
+    abstract_state = jax.eval_shape(lambda: init_train_state(
+        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), param_shapes(config)), optimizer))
+    state_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            abstract_state, state_sharding)
+    batch_shard = sharding.batch_sharding(mesh, rules)
+    field = jax.ShapeDtypeStruct((batch_rows, args.seq_len), jnp.int32, sharding=batch_shard)
+    batch = {"input_ids": field, "positions": field, "segment_ids": field}
+    step = make_train_step(config, settings, optimizer, mesh, rules)
+    with sharding.activate(mesh, rules):
+        compiled = step.jitted.trace(state_in, batch).lower().compile()
+    params_bytes = sharding.bytes_per_device(abstract_state.params, state_sharding.params)
+    opt_bytes = sharding.bytes_per_device(abstract_state.opt_state, state_sharding.opt_state)
+    lines = [f"train step: batch {batch_rows} x {args.seq_len} tokens "
+             f"({batch_rows * args.seq_len / mesh.size:,.0f} tokens per device)"]
+    lines += _memory_lines(compiled, {"params": params_bytes, "optimizer state": opt_bytes,
+                                      "gradients (f32, same sharding)": params_bytes / config.weight_dtype(0).itemsize * 4})
+    lines += ["", f"largest parameters per device (of {len(jax.tree.leaves(abstract_state.params))}):"]
+    for size, name, shape, dtype, spec in _largest(abstract_state.params, state_sharding.params, args.top):
+        lines.append(f"  {_fmt(size)}  {name} {tuple(shape)} {dtype.name} -> {spec}")
+    return lines
+
+
+def _plan_serve(args, config, mesh, rules) -> list[str]:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from glm5_jax.model import decode
+    from glm5_jax.model.transformer import param_shapes
+    from glm5_jax.parallel import sharding
+
+    batch_rows = args.batch or mesh.size
+    params_sharding = sharding.param_shardings(config, mesh, rules)
+    params_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                             param_shapes(config), params_sharding)
+    cache = jax.eval_shape(lambda: decode.init_cache(config, batch_rows, args.context))
+    batch_axes = sharding.logical_sharding(mesh, rules, ("batch",)).spec[0]
+
+    def cache_sharding(leaf):
+        if leaf.ndim >= 2 and leaf.shape[1] == batch_rows:  # [L, S, M, F] groups
+            return NamedSharding(mesh, P(None, batch_axes))
+        if leaf.ndim >= 1 and leaf.shape[0] == batch_rows:  # [S, R] ring positions
+            return NamedSharding(mesh, P(batch_axes))
+        return NamedSharding(mesh, P())
+
+    cache_shardings = jax.tree.map(cache_sharding, cache)
+    cache_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            cache, cache_shardings)
+    tokens = jax.ShapeDtypeStruct((batch_rows, 1), jnp.int32, sharding=NamedSharding(mesh, P(batch_axes)))
+    with sharding.activate(mesh, rules):
+        compiled = jax.jit(decode.decode_step.__wrapped__ if hasattr(decode.decode_step, "__wrapped__")
+                           else decode.decode_step, static_argnums=0).trace(
+            config, params_in, cache_in, tokens, tokens).lower().compile()
+    params_bytes = sharding.bytes_per_device(param_shapes(config), params_sharding)
+    cache_bytes = sharding.bytes_per_device(cache, cache_shardings)
+    lines = [f"decode step: {batch_rows} sequences x 1 new token, cache of {args.context} tokens each "
+             f"({decode.cache_bytes_per_token(config) / 1024:.1f} KiB per token)"]
+    lines += _memory_lines(compiled, {f"params ({config.param_dtype})": params_bytes, "latent cache": cache_bytes})
+    lines += ["", "largest parameters per device:"]
+    for size, name, shape, dtype, spec in _largest(param_shapes(config), params_sharding, args.top):
+        lines.append(f"  {_fmt(size)}  {name} {tuple(shape)} {dtype.name} -> {spec}")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Multi-device checks, run by tests/test_parallel.py in a subprocess with 8 fake CPU devices
+(XLA_FLAGS must be set before JAX starts). For each mesh: one train step's loss and gradients
+against the single-device result, and which collectives the compiled HLO holds.
+
+    python tests/parallel_checks.py "data=8" "fsdp=2,tensor=2,expert=2" ...
+
+Prints one JSON object per line. A mesh suffixed "@cf=F" runs the forward loss only, with
+expert_capacity_factor F (so tokens may be dropped); "@step" runs the full sharded train step.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from glm5_jax.config_files import load_model_config  # noqa: E402
+from glm5_jax.model import init_params  # noqa: E402
+from glm5_jax.parallel import sharding  # noqa: E402
+from glm5_jax.parallel.mesh import MeshSpec, make_mesh  # noqa: E402
+from glm5_jax.train.optimizer import make_optimizer  # noqa: E402
+from glm5_jax.train.settings import TrainSettings  # noqa: E402
+from glm5_jax.train.step import init_train_state, make_loss_fn, make_train_step, place_train_state  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# 1 dense + 4 MoE layers: 4 MoE layers split into 2 or 4 pipeline stages.
+CONFIG = load_model_config("configs/tiny.py", num_layers=5, indexer_types=[], attention_types=[],
+                           moe_impl="blocked")
+SETTINGS = TrainSettings(batch_size=8)
+BATCH_ROWS, LENGTH = 8, 16
+
+
+def make_batch():
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(2, CONFIG.vocab_size, (BATCH_ROWS, LENGTH)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(LENGTH, dtype=jnp.int32), ids.shape)
+    # Two packed documents per row: attention and losses must respect segment boundaries.
+    segments = jnp.where(positions < LENGTH // 2, 1, 2).astype(jnp.int32)
+    positions = jnp.where(positions < LENGTH // 2, positions, positions - LENGTH // 2)
+    return {"input_ids": ids, "positions": positions, "segment_ids": segments}
+
+
+def relative_error(got, want) -> float:
+    """max over leaves of max|got - want| / max|want|."""
+    worst = 0.0
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        scale = float(jnp.max(jnp.abs(b)))
+        worst = max(worst, float(jnp.max(jnp.abs(a - b))) / max(scale, 1e-30))
+    return worst
+
+
+def main(meshes):
+    params = init_params(CONFIG, 0)
+    batch = make_batch()
+    value_and_grad = jax.value_and_grad(make_loss_fn(CONFIG, SETTINGS), has_aux=True)
+    (loss, _), grads = jax.jit(value_and_grad)(params, batch)
+    for text in meshes:
+        text, _, variant = text.partition("@")
+        config = CONFIG
+        if variant.startswith("cf="):
+            config = CONFIG.replace(expert_capacity_factor=float(variant[3:]))
+        mesh = make_mesh(MeshSpec.parse(text), config)
+        param_shardings = sharding.param_shardings(config, mesh)
+        batch_sharding = sharding.batch_sharding(mesh)
+        placed_batch = jax.device_put(batch, batch_sharding)
+        result = {"mesh": text, "variant": variant}
+        if variant == "step":
+            optimizer = make_optimizer(SETTINGS)
+            state = place_train_state(init_train_state(params, optimizer), config, optimizer, mesh)
+            step = make_train_step(config, SETTINGS, optimizer, mesh)
+            new_state, metrics = step(state, placed_batch)
+            shardings_kept = all(
+                a.sharding.is_equivalent_to(b.sharding, a.ndim)
+                for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True))
+            reference_norm = float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))))
+            result.update(loss_rel=abs(float(metrics["loss"]) - float(loss)) / abs(float(loss)),
+                          grad_norm_rel=abs(float(metrics["grad_norm"]) - reference_norm) / reference_norm,
+                          shardings_kept=bool(shardings_kept), step=int(new_state.step))
+        else:
+            fn = (lambda p, b: make_loss_fn(config, SETTINGS)(p, b)) if variant else value_and_grad
+            with sharding.activate(mesh, sharding.DEFAULT_RULES):
+                compiled = jax.jit(fn, in_shardings=(param_shardings, batch_sharding)).lower(
+                    jax.device_put(params, param_shardings), placed_batch).compile()
+                out = compiled(jax.device_put(params, param_shardings), placed_batch)
+            hlo = compiled.as_text()
+            result.update(all_to_all="all-to-all" in hlo, collective_permute="collective-permute" in hlo)
+            if variant:
+                sharded_loss, (metrics, _) = out
+                result.update(loss_rel=abs(float(sharded_loss) - float(loss)) / abs(float(loss)),
+                              dropped=float(metrics.get("dropped_tokens", -1.0)),
+                              copies=BATCH_ROWS * LENGTH * CONFIG.num_experts_per_token * CONFIG.num_moe_layers)
+            else:
+                (sharded_loss, (metrics, _)), sharded_grads = out
+                result.update(loss_rel=abs(float(sharded_loss) - float(loss)) / abs(float(loss)),
+                              grad_rel=relative_error(sharded_grads, grads),
+                              dropped=float(metrics.get("dropped_tokens", 0.0)))
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,100 @@
+"""Distributed training: mesh validation, sharding rules, and (in one subprocess with 8 fake CPU
+devices) loss and gradients on data/fsdp/tensor/expert/pipeline meshes equal to one device."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from glm5_jax.parallel import sharding
+from glm5_jax.parallel.mesh import MeshError, MeshSpec, check_model_fits
+from glm5_jax.parallel.pipeline import bubble_fraction, default_microbatches
+
+ROOT = Path(__file__).resolve().parents[1]
+MESHES = ["data=8", "fsdp=2,tensor=2,expert=2", "data=2,expert=4", "pipeline=2,data=2,expert=2",
+          "pipeline=4,fsdp=2"]
+VARIANTS = ["data=2,expert=4@cf=1", "fsdp=2,tensor=2,expert=2@step"]
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def mesh_results():
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "parallel_checks.py"), *MESHES, *VARIANTS],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=1500)
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return {(r["mesh"], r["variant"]): r for r in results}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_loss_and_gradients_equal_single_device(mesh_results, mesh):
+    result = mesh_results[(mesh, "")]
+    assert result["loss_rel"] < RTOL
+    assert result["grad_rel"] < RTOL
+    assert result["dropped"] == 0.0  # dropless by default
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_compiled_program_holds_the_expected_collectives(mesh_results, mesh):
+    result = mesh_results[(mesh, "")]
+    assert result["all_to_all"] == ("expert=" in mesh)  # expert parallelism dispatches tokens
+    assert result["collective_permute"] == mesh.startswith("pipeline=")  # stages pass activations
+
+
+def test_capacity_factor_drops_and_reports_tokens(mesh_results):
+    result = mesh_results[("data=2,expert=4", "cf=1")]
+    assert 0 < result["dropped"] < result["copies"]
+    assert result["loss_rel"] > 0  # dropped copies change the output
+
+
+def test_sharded_train_step_keeps_shardings_and_matches(mesh_results):
+    result = mesh_results[("fsdp=2,tensor=2,expert=2", "step")]
+    assert result["step"] == 1 and result["shardings_kept"]
+    assert result["loss_rel"] < RTOL and result["grad_norm_rel"] < RTOL
+
+
+def test_mesh_sizes_fill_and_validate():
+    assert MeshSpec.parse("expert=4").sizes(8) == dict(pipeline=1, data=2, fsdp=1, expert=4, tensor=1)
+    assert MeshSpec.parse("data=2,fsdp=-1,tensor=2").sizes(16)["fsdp"] == 4
+    with pytest.raises(MeshError, match="multiply to 6 .* 8 devices"):
+        MeshSpec.parse("data=3,tensor=2").sizes(8)
+    with pytest.raises(MeshError, match="not divisible"):
+        MeshSpec.parse("data=-1,tensor=3").sizes(8)
+    with pytest.raises(MeshError, match="unknown mesh axis model"):
+        MeshSpec.parse("model=2")
+    with pytest.raises(MeshError, match="at most one"):
+        MeshSpec.parse("data=-1,fsdp=-1")
+    with pytest.raises(MeshError, match="axis=size"):
+        MeshSpec.parse("data:2")
+
+
+def test_model_must_split_over_the_mesh(tiny_config):
+    sizes = dict(pipeline=1, data=1, fsdp=1, expert=3, tensor=1)
+    with pytest.raises(MeshError, match="num_experts=8 is not divisible by the expert axis"):
+        check_model_fits(sizes, tiny_config)
+    with pytest.raises(MeshError, match="3 MoE layers cannot be split into 2"):
+        check_model_fits({**sizes, "expert": 1, "pipeline": 2}, tiny_config)
+    with pytest.raises(MeshError, match="num_heads=4 is not divisible by the tensor axis"):
+        check_model_fits({**sizes, "expert": 1, "tensor": 8}, tiny_config)
+
+
+def test_rules_overrides_are_checked():
+    rules = dict(sharding.make_rules({"vocab": None, "embed": ["fsdp", "data"]}))
+    assert rules["vocab"] is None and rules["embed"] == ("fsdp", "data")
+    with pytest.raises(ValueError, match="unknown logical axis 'hidden'"):
+        sharding.make_rules({"hidden": "tensor"})
+    with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
+        sharding.make_rules({"heads": "model"})
+
+
+def test_pipeline_schedule_numbers():
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(1, 8) == 0.0
+    assert default_microbatches(2, 8, 0) == 8
+    assert default_microbatches(4, 8, 0) == 8  # 16 does not divide 8 rows; 2 x stages does
+    with pytest.raises(ValueError, match="does not divide the batch"):
+        default_microbatches(2, 8, 3)
