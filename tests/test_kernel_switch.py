@@ -78,16 +78,10 @@ def _check_switch(reference_config, params, inputs, **impls):
         _assert_close(flat[path], ref_leaf, f"gradient {jax.tree_util.keystr(path)}")
 
 
-def test_dsa_model_with_pallas_attention_and_indexer_equals_reference(tiny_config):
-    config = tiny_config.replace(num_mtp_layers=0)
+def test_pallas_switches_equal_reference_on_a_mixed_stack(tiny_config):
+    """One scanned stack of a DSA and a sliding-window layer (per-layer traced flag): the DSA layer
+    runs the fused indexer and sparse attention, the sliding layer flash attention (lax.cond)."""
+    config = tiny_config.replace(num_layers=2, num_dense_layers=0, num_mtp_layers=0, sliding_window=4,
+                                 attention_types=("dsa", "sliding_window"), indexer_types=("full", "full"))
     params = glm5_jax.init_params(config, 0)
     _check_switch(config, params, _inputs(config), attention_impl="pallas", indexer_impl="pallas")
-
-
-def test_mixed_sliding_stack_with_pallas_attention_equals_reference(tiny_config):
-    """Sliding-window layers go through flash attention, DSA layers through sparse attention,
-    chosen per layer by a traced flag inside the scanned MoE stack; the indexer stays reference."""
-    config = tiny_config.replace(num_mtp_layers=0, sliding_window=4,
-                                 attention_types=("dsa", "sliding_window", "dsa", "sliding_window"))
-    params = glm5_jax.init_params(config, 0)
-    _check_switch(config, params, _inputs(config), attention_impl="pallas")
