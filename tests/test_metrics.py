@@ -115,6 +115,10 @@ def test_cached_tokens_in_chat_and_in_the_streamed_usage_chunk(served):
                                                  stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     assert all(chunk.usage is None for chunk in chunks[:-1])
+    # A stop string ends the request before the engine's final event: the stream's count is used.
+    stopped = client.completions.create(model=MODEL, prompt=SHARED + "again", max_tokens=20, stop=" brown")
+    assert stopped.choices[0].text == "The quick" and stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.prompt_tokens_details.cached_tokens == 8
 
 
 def test_engine_hooks_directly():

@@ -13,7 +13,15 @@ class UsageStream:
     """The engine's request stream, keeping the cached-token count of its final event."""
 
     def __init__(self, stream):
-        self._stream, self.cached_tokens = stream, 0
+        self._stream, self._cached_tokens = stream, None
+
+    @property
+    def cached_tokens(self) -> int:
+        # A stop string ends the request before the engine's final event; then the stream's own
+        # count (if the engine keeps one) is the best there is.
+        if self._cached_tokens is None:
+            return getattr(self._stream, "cached_tokens", None) or 0
+        return self._cached_tokens
 
     def cancel(self) -> None:
         self._stream.cancel()
@@ -24,7 +32,7 @@ class UsageStream:
     async def _iterate(self):
         async for event in self._stream:
             if event.finish_reason is not None:
-                self.cached_tokens = getattr(event, "cached_tokens", 0)
+                self._cached_tokens = getattr(event, "cached_tokens", 0)
             yield event
 
 
