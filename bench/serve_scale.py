@@ -5,8 +5,10 @@
 Workload: a few long shared system prompts (as in a deployed assistant) each followed by a distinct
 question; every request streams `--max-tokens` tokens (EOS ignored, so each does the same work)
 through the official AsyncOpenAI client against the FastAPI app on 127.0.0.1 in this process.
-For each setting a fresh engine is built and warmed up, then all requests are sent with at most
-`--concurrency` in flight. Reported: output tokens/s and requests/s over the wall time of the
+For each setting a fresh engine is built and warmed up (engine.warm_up, then one unmeasured round of
+the first `--concurrency` requests, which with prefix caching on also caches the system prompts:
+the steady state of a running server), then all requests are sent with at most `--concurrency`
+in flight. Reported: output tokens/s and requests/s over the wall time of the
 whole batch, TTFT p50/p95 (client side: send to the first streamed chunk), the prefix-cache hit
 rate from the server's metrics, and compilations during the measured requests (should be 0).
 """

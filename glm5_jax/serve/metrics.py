@@ -62,7 +62,7 @@ class ServerMetrics(EngineObserver):
         self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the "
                               "first, per request", TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Submit to the request's end", E2E_BUCKETS)
-        self.queue_time = histogram("queue_time_seconds", "Submit (or preemption) to admission",
+        self.queue_time = histogram("queue_time_seconds", "Submit to first admission",
                                     LATENCY_BUCKETS)
         # engine: tokens and the prefix cache
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
