@@ -15,6 +15,7 @@ from fake_engine import FakeEngine, make_tokenizer, running
 
 from glm5_jax.serve.api import create_app
 from glm5_jax.serve.chat import ChatRenderer, load_chat_template, load_special_tokens, render_glm5
+from glm5_jax.serve.metrics import ServerMetrics
 
 MODEL = "glm5-test"
 KEY = "sk-test-key"
@@ -268,7 +269,8 @@ def test_api_key_required_when_set():
 
 
 def test_engine_failure_is_reported_and_the_server_survives():
-    with running(create_app(FakeEngine(TOKENIZER, fail_after=1), MODEL)) as url:
+    metrics = ServerMetrics()
+    with running(create_app(FakeEngine(TOKENIZER, fail_after=1), MODEL, metrics=metrics)) as url:
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "hello world"})  # no model: allowed
         assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
         assert "fell over" in response.json()["error"]["message"]
@@ -276,6 +278,9 @@ def test_engine_failure_is_reported_and_the_server_survives():
         events = [line for line in lines.split("\n\n") if line]
         assert '"server_error"' in events[-2] and events[-1] == "data: [DONE]"
         assert httpx.get(f"{url}/v1/models").status_code == 200
+    counted = metrics.render().decode()  # the failure that escaped the app counts as a 500
+    assert 'glm5_requests_total{endpoint="/v1/completions",status="500"} 1.0' in counted
+    assert 'glm5_requests_total{endpoint="/v1/completions",status="200"} 1.0' in counted  # the stream
 
 
 # ---------------------------------------------------------------- disconnects and load

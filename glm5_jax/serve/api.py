@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from glm5_jax.serve.accounting import AccountedGeneration
 from glm5_jax.serve.chat import ChatRenderer
 from glm5_jax.serve.limits import RateLimited, RateLimiter
-from glm5_jax.serve.metrics import CONTENT_TYPE, ServerMetrics, count_requests
+from glm5_jax.serve.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from glm5_jax.serve.server_config import ApiKey, ServerConfig
 from glm5_jax.serve.textstream import Generation, Piece
 from glm5_jax.serve.types import MAX_TOP_LOGPROBS, GenerationEvent, InvalidRequestError, SamplingParams
@@ -193,8 +193,8 @@ def _bearer_token(request: Request) -> str | None:
 # ---------------------------------------------------------------- the app
 def create_app(engine, model_id: str, *, api_key: str | None = None, chat_template: str | None = None,
                special_tokens: Mapping[str, str] | None = None, server_config: ServerConfig | None = None,
-               metrics: ServerMetrics | None = None, clock=time.monotonic):
-    """The API app (an ASGI callable wrapping the FastAPI app) for `engine` serving `model_id`.
+               metrics: ServerMetrics | None = None, clock=time.monotonic) -> FastAPI:
+    """The API app for `engine` serving `model_id`.
 
     api_key: when set, /v1/* requires `Authorization: Bearer <api_key>` (at the default limits).
     chat_template: the checkpoint's Jinja chat template (chat.load_chat_template); None uses the
@@ -419,7 +419,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         return await _respond(request, body, generation, base, first, chunks, response)
 
     app.include_router(v1)
-    return count_requests(app, metrics, ENDPOINTS)
+    app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)
+    return app
 
 
 async def _respond(request: Request, body: _SamplingRequest, generation: AccountedGeneration, base: dict,

@@ -144,15 +144,19 @@ class ServerMetrics(EngineObserver):
         return generate_latest(self.registry)
 
 
-def count_requests(app, metrics: ServerMetrics, endpoints: tuple[str, ...]):
-    """ASGI middleware counting responses by endpoint (one of `endpoints`, else "other") and status.
-    Plain ASGI rather than BaseHTTPMiddleware, which would get between the endpoints and the client's
-    disconnect message."""
+class RequestCounter:
+    """ASGI middleware counting responses by endpoint (one of `endpoints`, else "other") and status:
+    `app.add_middleware(RequestCounter, metrics=..., endpoints=...)`. Plain ASGI rather than
+    BaseHTTPMiddleware, which would get between the endpoints and the client's disconnect message.
+    An exception that escapes the app (answered by the outermost error handler) counts as 500."""
 
-    async def middleware(scope, receive, send):
+    def __init__(self, app, metrics: ServerMetrics, endpoints: tuple[str, ...]):
+        self.app, self.metrics, self.endpoints = app, metrics, frozenset(endpoints)
+
+    async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
-            return await app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in endpoints else "other"
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
         status = []
 
         async def send_recording(message):
@@ -161,8 +165,6 @@ def count_requests(app, metrics: ServerMetrics, endpoints: tuple[str, ...]):
             await send(message)
 
         try:
-            await app(scope, receive, send_recording)
+            await self.app(scope, receive, send_recording)
         finally:
-            metrics.requests.labels(endpoint, str(status[0] if status else 500)).inc()
-
-    return middleware
+            self.metrics.requests.labels(endpoint, str(status[0] if status else 500)).inc()
