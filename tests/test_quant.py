@@ -23,6 +23,7 @@ import pytest
 
 from glm5_jax.config_files import load_model_config
 from glm5_jax.model import forward
+from glm5_jax.model.decode import decode_step, init_cache
 from glm5_jax.model.layers import declare_weight
 from glm5_jax.model.transformer import param_shapes
 from glm5_jax.quant import (
@@ -256,6 +257,16 @@ def test_quantized_forward_equals_dequantized_params(tiny, tiny_mixed):
     assert not is_quantized(tiny_mixed["moe_layers"]["moe"]["router"])
     np.testing.assert_allclose(forward(config, tiny_mixed, ids),
                                forward(config, dequantize_tree(tiny_mixed), ids), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_step_reads_quantized_params(tiny, tiny_mixed):
+    """The serving path (decode_step casts each weight, which dequantizes a QuantizedTensor)
+    gives forward's logits on a quantized model, embedding quantized too."""
+    config, _, ids, _ = tiny
+    quantized = {**tiny_mixed, "embed": quantize(tiny_mixed["embed"], "int8")}
+    logits, _ = decode_step(config, quantized, init_cache(config, 2, 16), ids,
+                            jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape))
+    np.testing.assert_allclose(logits, forward(config, dequantize_tree(quantized), ids), atol=1e-4, rtol=1e-4)
 
 
 def test_quantized_forward_close_to_unquantized(tiny, tiny_mixed):

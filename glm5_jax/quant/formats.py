@@ -63,6 +63,19 @@ class QuantizedTensor:
         return tuple(self.values.shape[:-2]) + self.in_shape + self.out_shape
 
     @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def astype(self, dtype) -> jax.Array:
+        """The dequantized weight in `dtype`: code that casts weights before use (the decode path)
+        dequantizes here, per layer when it runs inside a scan over the stacked weights."""
+        return dequantize(self, jnp.dtype(dtype))
+
+    def __getitem__(self, index) -> jax.Array:
+        """Rows of the dequantized weight (an embedding lookup)."""
+        return dequantize(self)[index]
+
+    @property
     def nbytes(self) -> int:
         """Bytes stored: values (nvfp4 packed, 4 bits each) + all scales."""
         arrays = [self.values, self.scales] + ([self.tensor_scale] if self.tensor_scale is not None else [])
