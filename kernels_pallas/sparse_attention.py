@@ -19,8 +19,11 @@ Backends:
       softmax state in VMEM scratch). Correct and lowerable; per-step overhead makes it slow,
       and T*K indices must fit SMEM (chunk long prefills). A manual multi-row DMA version is the
       obvious next step.
-Backward (all backends): the vjp of `sparse_attention_reference`, i.e. XLA gathers and a
-scatter-add of the per-(query, selected key) gradients into latent/k_rope; still ~T*K work.
+Backward ("triton", "interpret"): one program per (batch, query) recomputes its probabilities
+from the saved log-sum-exp, accumulates d q_latent / d q_rope, and scatter-adds the gradient rows
+of its K gathered keys into d latent / d k_rope with atomic adds (invalid entries go to a dummy
+row S that is sliced off). "mosaic_tpu" (no atomics): the vjp of `sparse_attention_reference`,
+XLA gathers plus a scatter-add; ~T*K work either way.
 
 Einsum letters (glm5_jax/model/layers.py): B batch, T queries, S keys, N heads, R latent width,
 H rope width, K selected keys.
@@ -35,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pl_triton
 
 from kernels_pallas.common import KernelCase, call_options, resolve_backend
 from kernels_pallas.flash_attention import dot_nt, finish_softmax, online_softmax_step, visible
@@ -150,6 +154,48 @@ def _row_kernel(idx_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, ql_ref, qr_ref,
         lse_ref[...] = jnp.where(norm > 0, m_ref[...] + jnp.log(jnp.where(norm > 0, norm, 1.0)), jnp.inf)
 
 
+def _gather_backward_kernel(idx_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, ql_ref, qr_ref, lat_ref, kr_ref,
+                            do_ref, lse_ref, delta_ref, dlat_in, dkr_in, dql_ref, dqr_ref, dlat_ref, dkr_ref,
+                            *, scale: float, block_k: int, num_keys: int):
+    """Shapes as `_gather_kernel`, plus do_ref [N, R], lse_ref / delta_ref [N, 1]; outputs
+    dql_ref [N, R], dqr_ref [N, H] and the whole d latent [B, S+1, R] / d k_rope [B, S+1, H]
+    (aliased to zero-filled inputs dlat_in, dkr_in), added to atomically."""
+    del dlat_in, dkr_in  # the same buffers as dlat_ref, dkr_ref
+    b = pl.program_id(0)
+    ql, qr, d_out = ql_ref[...], qr_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    qpos, qseg = qpos_ref[...][None, :], qseg_ref[...][None, :]
+
+    def body(c, carry):
+        dql, dqr = carry
+        raw = idx_ref[pl.ds(c * block_k, block_k)]
+        valid = (raw >= 0) & (raw < num_keys)
+        idx = jnp.clip(raw, 0, num_keys - 1)
+        keys, rope = lat_ref[b, idx, :], kr_ref[b, idx, :]
+        key_pos, key_seg = kpos_ref[b, idx][None, :], kseg_ref[b, idx][None, :]
+        allowed = valid[None, :] & visible(qpos, qseg, key_pos, key_seg, 0)
+        logits = (dot_nt(ql, keys) + dot_nt(qr, rope)) * scale  # [N, bk]
+        probs = jnp.where(allowed, jnp.exp(logits - lse), 0.0)
+        d_logits = probs * (dot_nt(d_out, keys) - delta)  # softmax backward, [N, bk]
+        dql = dql + jnp.dot(d_logits.astype(keys.dtype), keys, preferred_element_type=jnp.float32) * scale
+        dqr = dqr + jnp.dot(d_logits.astype(rope.dtype), rope, preferred_element_type=jnp.float32) * scale
+        d_keys = (jnp.dot(d_logits.T.astype(ql.dtype), ql, preferred_element_type=jnp.float32) * scale
+                  + jnp.dot(probs.T.astype(d_out.dtype), d_out, preferred_element_type=jnp.float32))
+        d_rope = jnp.dot(d_logits.T.astype(qr.dtype), qr, preferred_element_type=jnp.float32) * scale
+        # Entries that are not allowed contribute zero rows; send the out-of-range ones to row S.
+        target = jnp.where(valid, idx, num_keys)[:, None]
+        batch_col = jnp.full(target.shape, b, jnp.int32)
+        for ref, rows in ((dlat_ref, d_keys), (dkr_ref, d_rope)):
+            cols = jax.lax.broadcasted_iota(jnp.int32, (1, rows.shape[1]), 1)
+            pl_triton.atomic_add(ref, (batch_col, target, cols), rows.astype(ref.dtype))
+        return dql, dqr
+
+    init = (jnp.zeros(dql_ref.shape, jnp.float32), jnp.zeros(dqr_ref.shape, jnp.float32))
+    dql, dqr = jax.lax.fori_loop(0, idx_ref.shape[0] // block_k, body, init)
+    dql_ref[...] = dql.astype(dql_ref.dtype)
+    dqr_ref[...] = dqr.astype(dqr_ref.dtype)
+
+
 # ----------------------------------------------------------------------------- forward calls
 
 
@@ -166,30 +212,68 @@ def _pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _forward_gather(plan: _Plan, q_latent, q_rope, latent, k_rope, indices, q_pos, k_pos, q_seg, k_seg):
-    """Triton / interpret. Pads heads, widths and K to powers of two (zeros / index -1 change nothing)."""
-    batch, t_len, heads, rank = q_latent.shape
-    num_keys = latent.shape[1]
-    n_p, r_p, h_p = _pow2(heads), _pow2(rank), _pow2(q_rope.shape[-1])
+def _gather_layout(plan: _Plan, q_latent, q_rope, latent, k_rope, indices):
+    """Triton / interpret operands padded to powers of two (zero features and heads, index -1 for
+    the extra top-k slots change nothing), and the BlockSpec makers of the gather kernels."""
+    n_p, r_p, h_p = _pow2(q_latent.shape[2]), _pow2(q_latent.shape[3]), _pow2(q_rope.shape[-1])
     block_k = min(plan.block_k, _pow2(indices.shape[-1]))
     k_p = -(-indices.shape[-1] // block_k) * block_k
-    ql = _pad_axis(_pad_axis(q_latent, 2, n_p), 3, r_p)
-    qr = _pad_axis(_pad_axis(q_rope, 2, n_p), 3, h_p)
-    lat, kr = _pad_axis(latent, 2, r_p), _pad_axis(k_rope, 2, h_p)
-    idx = _pad_axis(indices, 2, k_p, -1)
+    padded = (_pad_axis(_pad_axis(q_latent, 2, n_p), 3, r_p), _pad_axis(_pad_axis(q_rope, 2, n_p), 3, h_p),
+              _pad_axis(latent, 2, r_p), _pad_axis(k_rope, 2, h_p), _pad_axis(indices, 2, k_p, -1))
     whole = pl.BlockSpec(memory_space=pl.ANY) if plan.backend == "triton" else pl.BlockSpec()
     per_query = lambda *tail: pl.BlockSpec((None, None) + tail, lambda b, t: (b, t) + (0,) * len(tail))  # noqa: E731
+    in_specs = [per_query(k_p), per_query(1), per_query(1), whole, whole,
+                per_query(n_p, r_p), per_query(n_p, h_p), whole, whole]
+    return padded, block_k, whole, per_query, in_specs
+
+
+def _forward_gather(plan: _Plan, q_latent, q_rope, latent, k_rope, indices, q_pos, k_pos, q_seg, k_seg):
+    """Triton / interpret forward. Returns (out [B, T, N, R], lse [B, T, N])."""
+    batch, t_len, heads, rank = q_latent.shape
+    (ql, qr, lat, kr, idx), block_k, _, per_query, in_specs = _gather_layout(
+        plan, q_latent, q_rope, latent, k_rope, indices)
     out, lse = pl.pallas_call(
-        functools.partial(_gather_kernel, scale=plan.scale, block_k=block_k, num_keys=num_keys),
+        functools.partial(_gather_kernel, scale=plan.scale, block_k=block_k, num_keys=latent.shape[1]),
         grid=(batch, t_len),
-        in_specs=[per_query(k_p), per_query(1), per_query(1), whole, whole,
-                  per_query(n_p, r_p), per_query(n_p, h_p), whole, whole],
-        out_specs=[per_query(n_p, r_p), per_query(n_p, 1)],
-        out_shape=[jax.ShapeDtypeStruct((batch, t_len, n_p, r_p), q_latent.dtype),
-                   jax.ShapeDtypeStruct((batch, t_len, n_p, 1), jnp.float32)],
+        in_specs=in_specs,
+        out_specs=[per_query(*ql.shape[2:]), per_query(ql.shape[2], 1)],
+        out_shape=[jax.ShapeDtypeStruct(ql.shape, q_latent.dtype),
+                   jax.ShapeDtypeStruct(ql.shape[:3] + (1,), jnp.float32)],
         **call_options(plan.backend),
     )(idx, q_pos[..., None], q_seg[..., None], k_pos, k_seg, ql, qr, lat, kr)
     return out[:, :, :heads, :rank], lse[:, :, :heads, 0]
+
+
+def _backward_gather(plan: _Plan, operands, out, lse, d_out):
+    """Triton / interpret backward. Returns (d q_latent, d q_rope, d latent, d k_rope)."""
+    q_latent, q_rope, latent, k_rope, indices, q_pos, k_pos, q_seg, k_seg = operands
+    batch, t_len, heads, rank = q_latent.shape
+    num_keys, rope_dim = latent.shape[1], q_rope.shape[-1]
+    (ql, qr, lat, kr, idx), block_k, whole, per_query, in_specs = _gather_layout(
+        plan, q_latent, q_rope, latent, k_rope, indices)
+    n_p, r_p, h_p = ql.shape[2], ql.shape[3], qr.shape[3]
+    # delta = rowsum(dO * O): the softmax backward's per-row correction, [B, T, N, 1].
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    padded_rows = lambda x, n: _pad_axis(x, 2, n)  # noqa: E731  heads
+    # float32 accumulators with a dummy key row S for the out-of-range entries.
+    zeros_lat = jnp.zeros((batch, num_keys + 1, r_p), jnp.float32)
+    zeros_kr = jnp.zeros((batch, num_keys + 1, h_p), jnp.float32)
+    dql, dqr, dlat, dkr = pl.pallas_call(
+        functools.partial(_gather_backward_kernel, scale=plan.scale, block_k=block_k, num_keys=num_keys),
+        grid=(batch, t_len),
+        in_specs=in_specs + [per_query(n_p, r_p), per_query(n_p, 1), per_query(n_p, 1)] + [whole] * 2,
+        out_specs=[per_query(n_p, r_p), per_query(n_p, h_p), whole, whole],
+        out_shape=[jax.ShapeDtypeStruct(ql.shape, q_latent.dtype),
+                   jax.ShapeDtypeStruct(qr.shape, q_rope.dtype),
+                   jax.ShapeDtypeStruct(zeros_lat.shape, jnp.float32),
+                   jax.ShapeDtypeStruct(zeros_kr.shape, jnp.float32)],
+        input_output_aliases={12: 2, 13: 3},
+        **call_options(plan.backend),
+    )(idx, q_pos[..., None], q_seg[..., None], k_pos, k_seg, ql, qr, lat, kr,
+      _pad_axis(padded_rows(d_out, n_p), 3, r_p), padded_rows(lse[..., None], n_p),
+      padded_rows(delta, n_p), zeros_lat, zeros_kr)
+    return (dql[:, :, :heads, :rank], dqr[:, :, :heads, :rope_dim],
+            dlat[:, :num_keys, :rank].astype(latent.dtype), dkr[:, :num_keys, :rope_dim].astype(k_rope.dtype))
 
 
 def _forward_rows(plan: _Plan, q_latent, q_rope, latent, k_rope, indices, q_pos, k_pos, q_seg, k_seg):
@@ -240,13 +324,18 @@ def _sparse(plan, q_latent, q_rope, latent, k_rope, indices, q_pos, k_pos, q_seg
 
 
 def _sparse_fwd(plan, *operands):
-    return _forward(plan, *operands)[0], operands
+    out, lse = _forward(plan, *operands)
+    return out, (operands, out, lse)
 
 
-def _sparse_bwd(plan, operands, d_out):
-    # The reference's vjp: gathers, then a scatter-add of the per-selected-key gradients into
-    # latent and k_rope (XLA's transpose of the gather); ~T*K work like the forward.
-    differentiable, rest = operands[:4], operands[4:]
+def _sparse_bwd(plan, residuals, d_out):
+    operands, out, lse = residuals
+    rest = operands[4:]
+    if plan.backend != "mosaic_tpu":
+        return _backward_gather(plan, operands, out, lse, d_out) + (None,) * len(rest)
+    # TPU: the reference's vjp, XLA gathers and a scatter-add of the per-selected-key gradients
+    # into latent and k_rope (the gather's transpose); ~T*K work like the forward.
+    differentiable = operands[:4]
     _, vjp = jax.vjp(lambda *x: sparse_attention_reference(*x, *rest, scale=plan.scale), *differentiable)
     return vjp(d_out) + (None,) * len(rest)
 

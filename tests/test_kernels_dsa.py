@@ -201,4 +201,8 @@ def test_sparse_attention_forward_and_backward_lower(backend):
 
     forward = lower_as_text(loss, *args, backend=backend)
     training = lower_as_text(jax.grad(loss, argnums=(0, 1, 2, 3)), *args, backend=backend)
-    assert CUSTOM_CALL_MARKERS[backend] in forward and CUSTOM_CALL_MARKERS[backend] in training
+    marker = CUSTOM_CALL_MARKERS[backend]
+    assert marker in forward
+    # Triton: the forward kernel (residuals) and the atomic-add backward kernel; Mosaic: the forward
+    # kernel, then the reference's XLA vjp.
+    assert training.count(marker) >= (2 if backend == "triton" else 1)
