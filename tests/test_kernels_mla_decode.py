@@ -12,8 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from glm5_jax.model.mla import absorbed_attention
+from kernels_pallas import mla_decode
 from kernels_pallas.common import CUSTOM_CALL_MARKERS, lower_as_text
 from kernels_pallas.mla_decode import gather_cache, mla_decode_attention, mla_decode_reference
 
@@ -56,6 +58,18 @@ def test_kernel_matches_reference(problem, use_topk):
         np.testing.assert_array_equal(np.asarray(got[0, 0]), 0.0)  # empty top-k
         # The selection matters: restricting to top-k changes the context.
         assert float(jnp.max(jnp.abs(want - _run(mla_decode_reference, problem, False)))) > 0.1
+
+
+def test_mosaic_code_path_in_tpu_interpreter(problem, monkeypatch):
+    """The TPU variant (cache left in HBM, one page DMA'd into VMEM scratch per step, scalars in
+    SMEM) run by Pallas's TPU interpreter on this CPU equals the reference, with top-k."""
+    tpu_interpreter = lambda backend, **_: {"interpret": pltpu.InterpretParams()}  # noqa: E731
+    monkeypatch.setattr(mla_decode, "call_options", tpu_interpreter)
+    got = jax.jit(functools.partial(mla_decode.mla_decode_attention, scale=SCALE, backend="mosaic_tpu"))(
+        problem["q_latent"], problem["q_rope"], problem["latent_pages"], problem["rope_pages"],
+        problem["block_table"], problem["query_positions"], topk_positions=problem["topk"])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(_run(mla_decode_reference, problem, True)),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_reference_matches_model_absorbed_attention(problem):
