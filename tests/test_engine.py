@@ -1,5 +1,7 @@
 """The serving engine: greedy output equals the argmax chain of `forward`, requests of
-different lengths share decode steps, no recompiles in steady state, cancellation frees slots."""
+different lengths share decode steps, no recompiles in steady state, cancellation frees slots;
+on a deliberately small page pool, chunked prefill and preemption leave the output unchanged,
+and prefix-cache hits (on the device or reloaded from host memory) give the same tokens."""
 
 import asyncio
 
@@ -9,6 +11,8 @@ from reference import perturbed_params
 
 import glm5_jax
 from glm5_jax.serve.engine import Engine
+from glm5_jax.serve.observer import EngineObserver
+from glm5_jax.serve.paged_cache import page_hashes
 from glm5_jax.serve.types import InvalidRequestError, SamplingParams
 
 MAX_CONTEXT = 48
@@ -138,3 +142,99 @@ def test_sliding_window_layers_on_the_ring_cache(model):
         engine.shutdown()
     for prompt, (tokens, _) in zip(prompts, results, strict=True):
         assert tokens == greedy_reference(config, params, prompt, 6)
+
+
+class Recorder(EngineObserver):
+    """Keeps every hook call as (name, args)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            return lambda *args: self.calls.append((name, args))
+        return super().__getattribute__(name)
+
+    def named(self, name):
+        return [args for n, args in self.calls if n == name]
+
+
+SMALL_PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def small_pool(model):
+    """12 pages of 4 positions: one full-context sequence; a budget of 16 tokens per step."""
+    config, params = model
+    observer = Recorder()
+    engine = Engine(config, params, None, max_slots=3, max_context=MAX_CONTEXT, seed=0,
+                    page_size=SMALL_PAGE, num_pages=MAX_CONTEXT // SMALL_PAGE, token_budget=16,
+                    host_cache_pages=8, observer=observer)
+    yield engine, observer
+    engine.shutdown()
+
+
+async def collect_events(engine, prompt, params):
+    return [event async for event in engine.submit(prompt, params)]
+
+
+def run_concurrently(engine, prompts, params):
+    async def run_all():
+        return await asyncio.gather(*(collect_events(engine, p, params) for p in prompts))
+
+    return asyncio.run(run_all())
+
+
+def test_preemption_and_chunked_prefill_keep_the_output(engine, small_pool):
+    small, observer = small_pool
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, 200, n).tolist() for n in (14, 11, 9)]  # 34 prompt tokens > budget 16
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    # Together they need 7 + 6 + 6 pages of 4 at the end: more than the 12 in the pool.
+    expected = run_concurrently(engine, prompts, greedy)
+    got = run_concurrently(small, prompts, greedy)
+    for want, have in zip(expected, got, strict=True):
+        assert [e.token_id for e in have] == [e.token_id for e in want]  # no repeats, none lost
+        assert have[-1].finish_reason == "length"
+    assert small.preemptions > 0 and len(observer.named("on_preempted")) == small.preemptions
+    assert small.pages.used == 0 and small.pages.available == small.pages.num_pages
+    assert int(small.pages.refs.min()) == 0
+
+
+def test_prefix_hits_on_device_and_from_host(small_pool):
+    small, observer = small_pool
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(2, 200, 13).tolist()  # 3 full pages can be served from cache (not the last token)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def once(p=prompt):
+        return asyncio.run(collect_events(small, p, params))
+
+    cold = once()
+    warm = once()
+    reloads = small.pages.reloads
+    # A long distinct request needs 11 of the 12 pages: the prompt's cached pages go to host memory.
+    once(rng.integers(2, 200, 40).tolist())
+    keys = page_hashes(prompt, SMALL_PAGE, 3)
+    assert sum(small.pages.on_host(k) for k in keys) >= 2
+    reloaded = once()
+    assert small.pages.reloads >= reloads + 2
+    assert [cold[-1].cached_tokens, warm[-1].cached_tokens, reloaded[-1].cached_tokens] == [0, 12, 12]
+    for events in (warm, reloaded):
+        assert [e.token_id for e in events] == [e.token_id for e in cold]
+        np.testing.assert_allclose([e.logprob for e in events], [e.logprob for e in cold], atol=1e-5)
+    finished = observer.named("on_finished")[-4:]  # (id, reason, prompt, cached, output, seconds)
+    assert [f[3] for f in finished] == [0, 12, 0, 12]
+    assert [f[4] for f in finished] == [10, 10, 8, 10]  # 40 + 8 = the 48-token context
+    lookups = observer.named("on_prefix_lookup")[-4:]
+    assert [hit for _, hit in lookups] == [0, 12, 0, 12]
+    assert observer.named("on_step") and observer.named("on_first_token")
+    assert small.pages.used == 0 and small.pages.host_used <= 8
+
+
+def test_bad_pool_settings_are_rejected(model):
+    config, params = model
+    with pytest.raises(ValueError, match="num_pages"):
+        Engine(config, params, None, max_context=48, page_size=4, num_pages=11)
+    with pytest.raises(ValueError, match="token_budget"):
+        Engine(config, params, None, max_slots=8, token_budget=4)

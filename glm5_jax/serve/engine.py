@@ -238,11 +238,11 @@ class Engine:
 
     def _finish(self, sequence: _Sequence, event: GenerationEvent) -> None:
         self._release(sequence)
-        cached = sequence.cached_tokens or 0
-        sequence.stream._deliver(dataclasses.replace(event, cached_tokens=cached))
-        stream = sequence.stream
+        cached, stream = sequence.cached_tokens or 0, sequence.stream
+        # Observer first: a client that sees the end of its stream also sees the metrics updated.
         self.observer.on_finished(stream.request_id, event.finish_reason, stream.prompt_tokens, cached,
                                   sequence.generated, time.perf_counter() - stream.submitted_at)
+        stream._deliver(dataclasses.replace(event, cached_tokens=cached))
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> None:
