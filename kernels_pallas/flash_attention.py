@@ -117,13 +117,42 @@ def triton_dim(d: int) -> int:
     return max(16, pl.next_power_of_2(d))
 
 
+def time_rows(ref, buffer, start, size):
+    """Rows [start, start + size) of this program's (batch, head) slab [L, H].
+
+    buffer None: ref is that slab as a block (Triton, interpreter: loads read it in place).
+    Otherwise (Mosaic) ref is the whole [B, N, L, H] array left in HBM and the rows are DMA'd
+    into the VMEM buffer, so VMEM holds one block, not a whole sequence.
+    """
+    if buffer is None:
+        return ref[pl.ds(start, size), :]
+    pltpu.sync_copy(ref.at[pl.program_id(0), pl.program_id(1), pl.ds(start, size), :], buffer)
+    return buffer[...]
+
+
+def slab_spec(backend: str, length: int, width: int) -> pl.BlockSpec:
+    """One (batch, head)'s whole [length, width] slab for grids (B, N, ...); on Mosaic the array
+    stays in HBM (see time_rows)."""
+    if backend == "mosaic_tpu":
+        return pl.BlockSpec(memory_space=pl.ANY)
+    return pl.BlockSpec((None, None, length, width), lambda b, n, i: (b, n, 0, 0))
+
+
+def slab_buffers(backend: str, rows: int, *widths_and_dtypes):
+    """VMEM scratch for time_rows on Mosaic (one [rows, width] buffer per slab), else none."""
+    if backend != "mosaic_tpu":
+        return []
+    return [pltpu.VMEM((rows, width), dtype) for width, dtype in widths_and_dtypes]
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
 def _forward_kernel(bounds_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, q_ref, k_ref, v_ref,
-                    o_ref, lse_ref, *, scale, window, block_k, num_q_blocks):
-    """Grid (B, N, query blocks). q [bq, H]; k, v whole [Sp, H/Hv]; q positions as columns
-    [bq, 1]; key positions as rows [nk, bk]. Writes o [bq, Hv] and lse [bq, 1]."""
+                    o_ref, lse_ref, *buffers, scale, window, block_k, num_q_blocks):
+    """Grid (B, N, query blocks). q [bq, H]; k, v slabs [Sp, H/Hv] (see time_rows); q positions
+    as columns [bq, 1]; key positions as rows [nk, bk]. Writes o [bq, Hv] and lse [bq, 1]."""
+    k_buffer, v_buffer = buffers or (None, None)
     base = (pl.program_id(0) * num_q_blocks + pl.program_id(2)) * 2
     lo, hi = bounds_ref[base], bounds_ref[base + 1]
     q = q_ref[...]
@@ -131,21 +160,23 @@ def _forward_kernel(bounds_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, q_ref, k
 
     def body(j, carry):
         start = pl.multiple_of(j * block_k, block_k)
-        k = k_ref[pl.ds(start, block_k), :]
+        k = time_rows(k_ref, k_buffer, start, block_k)
+        v = time_rows(v_ref, v_buffer, start, block_k)
         allowed = visible(qpos, qseg, kpos_ref[pl.ds(j, 1), :], kseg_ref[pl.ds(j, 1), :], window)
-        return online_softmax_step(*carry, dot_nt(q, k) * scale, allowed, v_ref[pl.ds(start, block_k), :])
+        return online_softmax_step(*carry, dot_nt(q, k) * scale, allowed, v)
 
     rows = q.shape[0]
     init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, v_ref.shape[-1]), jnp.float32))
+            jnp.zeros(o_ref.shape, jnp.float32))
     m, norm, acc = jax.lax.fori_loop(lo, hi, body, init)
     o_ref[...] = finish_softmax(norm, acc).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(norm > 0, m + jnp.log(jnp.where(norm > 0, norm, 1.0)), BIG_LSE)
 
 
 def _dq_kernel(bounds_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref,
-               lse_ref, delta_ref, dq_ref, *, scale, window, block_k, num_q_blocks):
+               lse_ref, delta_ref, dq_ref, *buffers, scale, window, block_k, num_q_blocks):
     """Grid (B, N, query blocks): dq = scale * sum_j ds_j . k_j, ds = p * (do . v^T - delta)."""
+    k_buffer, v_buffer = buffers or (None, None)
     base = (pl.program_id(0) * num_q_blocks + pl.program_id(2)) * 2
     lo, hi = bounds_ref[base], bounds_ref[base + 1]
     q, do = q_ref[...], do_ref[...]
@@ -153,8 +184,8 @@ def _dq_kernel(bounds_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, q_ref, k_ref,
 
     def body(j, dq):
         start = pl.multiple_of(j * block_k, block_k)
-        k = k_ref[pl.ds(start, block_k), :]
-        v = v_ref[pl.ds(start, block_k), :]
+        k = time_rows(k_ref, k_buffer, start, block_k)
+        v = time_rows(v_ref, v_buffer, start, block_k)
         allowed = visible(qpos, qseg, kpos_ref[pl.ds(j, 1), :], kseg_ref[pl.ds(j, 1), :], window)
         probs = jnp.where(allowed, jnp.exp(dot_nt(q, k) * scale - lse), 0.0)  # [bq, bk]
         dscores = probs * (dot_nt(do, v) - delta)
@@ -165,10 +196,11 @@ def _dq_kernel(bounds_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, q_ref, k_ref,
 
 
 def _dkv_kernel(bounds_ref, kpos_ref, kseg_ref, qpos_ref, qseg_ref, k_ref, v_ref, q_ref, do_ref,
-                lse_ref, delta_ref, dk_ref, dv_ref, *, scale, window, block_q, num_k_blocks):
+                lse_ref, delta_ref, dk_ref, dv_ref, *buffers, scale, window, block_q, num_k_blocks):
     """Grid (B, N, key blocks), transposed so no dot contracts a leading dim: k, v [bk, H/Hv];
-    key positions as columns [bk, 1]; q, do whole [Tp, H/Hv]; q positions, lse, delta as rows
-    [nq, bq]. dv = sum_i p_i^T . do_i; dk = scale * sum_i ds_i^T . q_i."""
+    key positions as columns [bk, 1]; q, do slabs [Tp, H/Hv] (see time_rows); q positions, lse,
+    delta as rows [nq, bq]. dv = sum_i p_i^T . do_i; dk = scale * sum_i ds_i^T . q_i."""
+    q_buffer, do_buffer = buffers or (None, None)
     base = (pl.program_id(0) * num_k_blocks + pl.program_id(2)) * 2
     lo, hi = bounds_ref[base], bounds_ref[base + 1]
     k, v = k_ref[...], v_ref[...]
@@ -177,8 +209,8 @@ def _dkv_kernel(bounds_ref, kpos_ref, kseg_ref, qpos_ref, qseg_ref, k_ref, v_ref
     def body(i, carry):
         dk, dv = carry
         start = pl.multiple_of(i * block_q, block_q)
-        q = q_ref[pl.ds(start, block_q), :]
-        do = do_ref[pl.ds(start, block_q), :]
+        q = time_rows(q_ref, q_buffer, start, block_q)
+        do = time_rows(do_ref, do_buffer, start, block_q)
         allowed = visible(qpos_ref[pl.ds(i, 1), :], qseg_ref[pl.ds(i, 1), :], kpos, kseg, window)
         probs_t = jnp.where(allowed, jnp.exp(dot_nt(k, q) * scale - lse_ref[pl.ds(i, 1), :]), 0.0)
         dv = dv + dot_nn(probs_t.astype(do.dtype), do)
@@ -288,7 +320,7 @@ def _forward(plan: _Plan, ops):
     bq, value_pad = plan.block_q, plan.value_pad
     col = pl.BlockSpec((None, bq, 1), lambda b, n, i: (b, i, 0))
     rows = pl.BlockSpec((None, s_pad // plan.block_k, plan.block_k), lambda b, n, i: (b, 0, 0))
-    whole = lambda h: pl.BlockSpec((None, None, s_pad, h), lambda b, n, i: (b, n, 0, 0))  # noqa: E731
+    whole = functools.partial(slab_spec, plan.backend, s_pad)
     block = lambda h: pl.BlockSpec((None, None, bq, h), lambda b, n, i: (b, n, i, 0))  # noqa: E731
     kernel = functools.partial(_forward_kernel, scale=plan.scale, window=plan.window,
                                block_k=plan.block_k, num_q_blocks=num_q_blocks)
@@ -300,6 +332,8 @@ def _forward(plan: _Plan, ops):
         out_specs=[block(value_pad), block(1)],
         out_shape=[jax.ShapeDtypeStruct((batch, heads, t_pad, value_pad), ops["q"].dtype),
                    jax.ShapeDtypeStruct((batch, heads, t_pad, 1), jnp.float32)],
+        scratch_shapes=slab_buffers(plan.backend, plan.block_k, (head_pad, ops["k"].dtype),
+                                    (value_pad, ops["v"].dtype)),
         name="flash_attention_forward",
         **call_options(plan.backend, num_warps=_warps(plan), dimension_semantics=("parallel",) * 3),
     )(ops["q_bounds"], *ops["q_cols"], *ops["k_rows"], ops["q"], ops["k"], ops["v"])
@@ -316,7 +350,7 @@ def _backward(plan: _Plan, ops, out, lse, d_out):
     common = dict(scale=plan.scale, window=plan.window)
 
     q_block = lambda h: pl.BlockSpec((None, None, bq, h), lambda b, n, i: (b, n, i, 0))  # noqa: E731
-    k_whole = lambda h: pl.BlockSpec((None, None, s_pad, h), lambda b, n, i: (b, n, 0, 0))  # noqa: E731
+    k_whole = functools.partial(slab_spec, plan.backend, s_pad)
     q_col = pl.BlockSpec((None, bq, 1), lambda b, n, i: (b, i, 0))
     k_rows = pl.BlockSpec((None, nk, bk), lambda b, n, i: (b, 0, 0))
     dq = pl.pallas_call(
@@ -326,12 +360,14 @@ def _backward(plan: _Plan, ops, out, lse, d_out):
                   k_whole(head_pad), k_whole(value_pad), q_block(value_pad), q_block(1), q_block(1)],
         out_specs=q_block(head_pad),
         out_shape=jax.ShapeDtypeStruct(ops["q"].shape, ops["q"].dtype),
+        scratch_shapes=slab_buffers(plan.backend, bk, (head_pad, ops["k"].dtype),
+                                    (value_pad, ops["v"].dtype)),
         name="flash_attention_dq",
         **options,
     )(ops["q_bounds"], *ops["q_cols"], *ops["k_rows"], ops["q"], ops["k"], ops["v"], d_out, lse, delta)
 
     k_block = lambda h: pl.BlockSpec((None, None, bk, h), lambda b, n, j: (b, n, j, 0))  # noqa: E731
-    q_whole = lambda h: pl.BlockSpec((None, None, t_pad, h), lambda b, n, j: (b, n, 0, 0))  # noqa: E731
+    q_whole = functools.partial(slab_spec, plan.backend, t_pad)
     k_col = pl.BlockSpec((None, bk, 1), lambda b, n, j: (b, j, 0))
     q_rows = pl.BlockSpec((None, nq, bq), lambda b, n, j: (b, 0, 0))
     stat_rows = pl.BlockSpec((None, None, nq, bq), lambda b, n, j: (b, n, 0, 0))
@@ -344,6 +380,7 @@ def _backward(plan: _Plan, ops, out, lse, d_out):
         out_specs=[k_block(head_pad), k_block(value_pad)],
         out_shape=[jax.ShapeDtypeStruct(ops["k"].shape, ops["k"].dtype),
                    jax.ShapeDtypeStruct(ops["v"].shape, ops["v"].dtype)],
+        scratch_shapes=slab_buffers(plan.backend, bq, (head_pad, ops["q"].dtype), (value_pad, d_out.dtype)),
         name="flash_attention_dkv",
         **options,
     )(ops["k_bounds"], *ops["k_cols"], *ops["q_rows"], ops["k"], ops["v"], ops["q"], d_out,

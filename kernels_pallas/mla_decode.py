@@ -175,7 +175,7 @@ def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, block_table
     scalars = [scalar_spec(backend)] * 4
     head_block = lambda width: pl.BlockSpec((None, None, heads_pad, width), lambda b, t: (b, t, 0, 0))  # noqa: E731
     if dma_pages:
-        cache_specs = [pl.BlockSpec(memory_space=pltpu.HBM)] * 2
+        cache_specs = [pl.BlockSpec(memory_space=pl.ANY)] * 2  # left in HBM
         scratch = [pltpu.VMEM((page_size, rank), latent_pages.dtype),
                    pltpu.VMEM((page_size, rope_dim), rope_pages.dtype)]
     else:
