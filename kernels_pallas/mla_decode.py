@@ -199,7 +199,9 @@ def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, block_table
         out_shape=jax.ShapeDtypeStruct((batch, t_len, heads_pad, rank), jnp.float32),
         scratch_shapes=scratch,
         name="mla_decode_attention",
-        **call_options(backend, num_warps=4, dimension_semantics=("parallel", "parallel")),
+        # 8 warps: a [heads, R=512] float32 accumulator is too many registers for 4.
+        **call_options(backend, num_warps=8 if rank >= 256 else 4,
+                       dimension_semantics=("parallel", "parallel")),
     )(*operands)
     return context[:, :, :heads]
 
