@@ -4,6 +4,7 @@ the limiter on its own, then through the HTTP API with the fake engine and the o
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import openai
@@ -88,6 +89,26 @@ def test_keys_are_independent_and_default_applies_to_others():
     clock.now += 61
     limiter.acquire("key-a", 5)  # the sweep runs, and forgets windows that emptied
     assert limiter.tracked_keys() == 1
+
+
+def test_concurrent_acquires_admit_exactly_the_limit():
+    limiter = RateLimiter([ApiKey("a", "key-a", Limits(requests_per_minute=500))], clock=FakeClock())
+    admitted = []
+
+    def worker():
+        for _ in range(100):
+            try:
+                limiter.acquire("key-a", 7).settle(3)
+                admitted.append(1)
+            except RateLimited:
+                pass
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(admitted) == 500
 
 
 # ---------------------------------------------------------------- the config file
