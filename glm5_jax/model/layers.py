@@ -23,6 +23,9 @@ def declare_weight(module: nn.Module, name: str, shape: tuple[int, ...],
     layer (dequantize-on-the-fly).
     """
     assert len(shape) == len(axes), (name, shape, axes)
+    # Read through get_variable, not module.param: param's shape check compares the stored
+    # tree's first leaf with `shape`, and a QuantizedTensor's values are the [..., I, O] view
+    # (packed for NVFP4), so it would reject them. The shape is checked here instead.
     if module.has_variable("params", name):
         stored = module.get_variable("params", name)
         if is_quantized(stored):
