@@ -14,6 +14,7 @@ A relative slack of 1e-6 covers the float32 divide and multiply.
 
 from __future__ import annotations
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -301,6 +302,14 @@ def test_flax_param_accepts_quantized_value_at_apply_time():
     out, _ = stack().apply({"params": quantized}, x, None)
     ref, _ = stack().apply({"params": {"w": dequantize(quantized["w"])}}, x, None)
     np.testing.assert_allclose(out, ref, rtol=1e-6)
+    # Plain module.param would reject it: its shape check reads the first leaf (packed values).
+    class Plain(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x @ self.param("w", nn.initializers.zeros, (40, 40))
+
+    with pytest.raises(flax.errors.ScopeParamShapeError):
+        Plain().apply({"params": {"w": quantize(jnp.ones((40, 40)), "nvfp4")}}, x)
     with pytest.raises(ValueError, match=r"quantized param w .* shape \(40, 25\)"):
         stack().apply(
             {"params": {"w": quantize(jnp.ones((3, 40, 25)), "fp8")}}, x, None)
