@@ -68,7 +68,12 @@ def paged_logits(config, params, sequences, chunk):
     (dict(), (5, 1, 3)),
     (dict(attention_types=["dsa", "sliding_window", "dsa", "sliding_window"], sliding_window=5,
           indexer_types=["full", "full", "shared", "full"]), (8, 3, 2)),
-    (dict(attention_types=["sliding_window"] * 4, sliding_window=3, moe_impl="blocked"), (3, 4, 1)),
+    (dict(num_layers=2, indexer_types=["full"] * 2, attention_types=["sliding_window"] * 2,
+          sliding_window=3, moe_impl="blocked"), (3, 4, 1)),
+    # The Pallas kernel (interpret mode on CPU) reading pages through the block table.
+    # Two layers (one per stack, one of each kind) keep the interpreted kernel's compile short.
+    (dict(num_layers=2, indexer_types=["full"] * 2, attention_types=["dsa", "sliding_window"],
+          sliding_window=5, decode_attention_impl="pallas"), (6, 2, 3)),
 ])
 def test_paged_rows_equal_forward_rows(tiny_config, variant, chunk):
     config = tiny_config.replace(num_mtp_layers=0, **variant)
