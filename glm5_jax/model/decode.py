@@ -1,4 +1,8 @@
-"""Incremental decoding on the MLA latent cache, the path a server runs.
+"""Incremental decoding on a contiguous MLA latent cache (one row of M positions per slot).
+
+The serving engine runs the paged variant (glm5_jax.model.paged_decode), which reuses this
+module's per-layer pieces (projection, feed-forward, stack kinds); this contiguous cache stays
+as the simplest statement of cached decoding, tested equal to `forward`.
 
 Per layer and token the cache holds only what MLA and DSA need later: the normalised latent
 (kv_lora_rank), the rotated shared rope key (qk_rope_head_dim) and, on DSA layers, the indexer
