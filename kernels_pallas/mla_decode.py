@@ -38,6 +38,10 @@ from kernels_pallas.flash_attention import (
 __all__ = ["mla_decode_attention", "mla_decode_reference", "benchmark_cases"]
 
 
+# GPU programs to aim for in decode (about two per H200 SM) when choosing the page-list split.
+TARGET_PROGRAMS = 256
+
+
 # ----------------------------------------------------------------------------- page plan
 
 
@@ -71,16 +75,18 @@ def _page_plan(block_table, query_positions, topk_positions, page_size):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _decode_kernel(*refs, scale, page_size, max_pages, num_queries, has_topk, dma_pages):
-    """Grid (B, T). q_latent [N, R]; q_rope [N, r] (in the compute dtype); pages [P, page, R/r]
-    (in HBM when dma_pages, copied one page at a time into VMEM scratch); selected [max_pages,
-    page]. Writes [N, R]."""
+def _decode_kernel(*refs, scale, page_size, max_pages, pages_per_split, num_queries, has_topk,
+                   dma_pages):
+    """Grid (B, T, splits). q_latent [N, R]; q_rope [N, r] (in the compute dtype); pages
+    [P, page, R/r] (in HBM when dma_pages, copied one page at a time into VMEM scratch); selected
+    [max_pages, page]. Split s covers entries [s * pages_per_split, ...) of the query's page list
+    and writes its unnormalised partial: acc [N, R], running max and normaliser [N, 1]."""
     if has_topk:
         (table_ref, qpos_ref, pages_ref, counts_ref, ql_ref, qr_ref, latent_ref, rope_ref,
-         selected_ref, out_ref, *scratch) = refs
+         selected_ref, acc_ref, max_ref, norm_ref, *scratch) = refs
     else:
         (table_ref, qpos_ref, pages_ref, counts_ref, ql_ref, qr_ref, latent_ref, rope_ref,
-         out_ref, *scratch) = refs
+         acc_ref, max_ref, norm_ref, *scratch) = refs
     b = pl.program_id(0)
     query = b * num_queries + pl.program_id(1)
     position = qpos_ref[query]
@@ -107,8 +113,27 @@ def _decode_kernel(*refs, scale, page_size, max_pages, num_queries, has_topk, dm
     rows = q_latent.shape[0]
     init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, latent_ref.shape[-1]), jnp.float32))
-    _, norm, acc = jax.lax.fori_loop(0, counts_ref[query], body, init)
-    out_ref[...] = finish_softmax(norm, acc)
+    first = pl.program_id(2) * pages_per_split
+    last = jnp.maximum(jnp.minimum(first + pages_per_split, counts_ref[query]), first)
+    m, norm, acc = jax.lax.fori_loop(first, last, body, init)
+    acc_ref[...], max_ref[...], norm_ref[...] = acc, m, norm
+
+
+def _combine_splits(acc, m, norm):
+    """Merges split partials. acc [B, T, splits, N, R]; m, norm [B, T, splits, N, 1] ->
+    [B, T, N, R]; 0 for a query with nothing visible."""
+    weight = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # an empty split has m = NEG_INF: 0
+    total = jnp.sum(weight * norm, axis=2)
+    return finish_softmax(total, jnp.sum(weight * acc, axis=2))
+
+
+def _num_splits(backend: str, queries: int, max_pages: int) -> int:
+    """Splits of each query's page list, so a GPU gets enough programs when B * T is small
+    (decode at B=32 would otherwise fill 32 of the H200's 132 SMs). Mosaic runs the grid on one
+    or two cores: no split."""
+    if backend == "mosaic_tpu":
+        return 1
+    return max(1, min(max_pages, -(-TARGET_PROGRAMS // queries)))
 
 
 # ----------------------------------------------------------------------------- public API
@@ -173,37 +198,41 @@ def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, block_table
 
     dma_pages = backend == "mosaic_tpu"
     scalars = [scalar_spec(backend)] * 4
-    head_block = lambda width: pl.BlockSpec((None, None, heads_pad, width), lambda b, t: (b, t, 0, 0))  # noqa: E731
+    splits = _num_splits(backend, batch * t_len, max_pages)
+    head_block = lambda width: pl.BlockSpec((None, None, heads_pad, width), lambda b, t, s: (b, t, 0, 0))  # noqa: E731
+    split_block = lambda width: pl.BlockSpec((None, None, None, heads_pad, width),  # noqa: E731
+                                             lambda b, t, s: (b, t, s, 0, 0))
     if dma_pages:
         cache_specs = [pl.BlockSpec(memory_space=pl.ANY)] * 2  # left in HBM
         scratch = [pltpu.VMEM((page_size, rank), latent_pages.dtype),
                    pltpu.VMEM((page_size, rope_dim), rope_pages.dtype)]
     else:
-        cache_specs = [pl.BlockSpec((num_pages, page_size, rank), lambda b, t: (0, 0, 0)),
-                       pl.BlockSpec((num_pages, page_size, rope_dim), lambda b, t: (0, 0, 0))]
+        cache_specs = [pl.BlockSpec((num_pages, page_size, rank), lambda b, t, s: (0, 0, 0)),
+                       pl.BlockSpec((num_pages, page_size, rope_dim), lambda b, t, s: (0, 0, 0))]
         scratch = []
     in_specs = scalars + [head_block(rank), head_block(rope_dim)] + cache_specs
     operands = [block_table.astype(jnp.int32).reshape(-1), query_positions.astype(jnp.int32).reshape(-1),
                 pages.reshape(-1), counts.reshape(-1), q_latent, q_rope, latent_pages, rope_pages]
     if selected is not None:
-        in_specs.append(pl.BlockSpec((None, None, max_pages, page_size), lambda b, t: (b, t, 0, 0)))
+        in_specs.append(pl.BlockSpec((None, None, max_pages, page_size), lambda b, t, s: (b, t, 0, 0)))
         operands.append(selected)
     kernel = functools.partial(_decode_kernel, scale=float(scale), page_size=page_size,
-                               max_pages=max_pages, num_queries=t_len, has_topk=selected is not None,
-                               dma_pages=dma_pages)
-    context = pl.pallas_call(
+                               max_pages=max_pages, pages_per_split=-(-max_pages // splits),
+                               num_queries=t_len, has_topk=selected is not None, dma_pages=dma_pages)
+    partial = lambda width: jax.ShapeDtypeStruct((batch, t_len, splits, heads_pad, width), jnp.float32)  # noqa: E731
+    acc, m, norm = pl.pallas_call(
         kernel,
-        grid=(batch, t_len),
+        grid=(batch, t_len, splits),
         in_specs=in_specs,
-        out_specs=head_block(rank),
-        out_shape=jax.ShapeDtypeStruct((batch, t_len, heads_pad, rank), jnp.float32),
+        out_specs=[split_block(rank), split_block(1), split_block(1)],
+        out_shape=[partial(rank), partial(1), partial(1)],
         scratch_shapes=scratch,
         name="mla_decode_attention",
         # 8 warps: a [heads, R=512] float32 accumulator is too many registers for 4.
         **call_options(backend, num_warps=8 if rank >= 256 else 4,
-                       dimension_semantics=("parallel", "parallel")),
+                       dimension_semantics=("parallel",) * 3),
     )(*operands)
-    return context[:, :, :heads]
+    return _combine_splits(acc, m, norm)[:, :, :heads]
 
 
 def gather_cache(latent_pages, rope_pages, block_table):
