@@ -123,6 +123,25 @@ def test_fp8_checkpoint_kept_as_fp8_equals_quantized_params(checkpoints):
     _assert_trees_equal(loaded, reference)  # compares values, scales of every QuantizedTensor
 
 
+def test_fp8_params_save_and_load_back(checkpoints, tmp_path):
+    """save_pretrained writes fp8 QuantizedTensors as E4M3 + weight_scale_inv: the same tensors
+    as the published layout, and loading keeps them bit for bit; other formats are refused."""
+    config, params, root = checkpoints
+    _, kept = load_pretrained(root / "fp8", keep_fp8=True)
+    save_pretrained(config, kept, tmp_path / "again")
+    written, original = _read_all(tmp_path / "again"), _read_all(root / "fp8")
+    assert sorted(written) == sorted(original)
+    for name, tensor in original.items():
+        assert written[name].dtype == tensor.dtype, name
+        np.testing.assert_array_equal(written[name].astype(np.float32), tensor.astype(np.float32))
+    assert "quantization_config" in json.loads((tmp_path / "again" / "config.json").read_text())
+    _, reloaded = load_pretrained(tmp_path / "again", keep_fp8=True)
+    _assert_trees_equal(reloaded, kept)
+    with pytest.raises(CheckpointError, match="quantized as 'nvfp4'"):
+        save_pretrained(config, {**params, "lm_head": quantize(params["lm_head"], "nvfp4")},
+                        tmp_path / "nvfp4")
+
+
 def test_wrong_scale_shape_names_the_tensor(checkpoints, tmp_path):
     _, _, root = checkpoints
     tensors = _read_all(root / "fp8")

@@ -38,7 +38,7 @@ from glm5_jax.checkpoint.names import (
 )
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.transformer import param_shapes
-from glm5_jax.quant.formats import QuantizedTensor
+from glm5_jax.quant.formats import QuantizedTensor, is_quantized
 from glm5_jax.quant.recipes import weight_layout
 
 SINGLE_FILE = "model.safetensors"
@@ -241,6 +241,16 @@ def _fp8_buffers(buffers, names: list[TensorName], scaled: set[str]):
     return kept
 
 
+def _fp8_to_hf(name: TensorName, leaf: QuantizedTensor) -> dict[str, np.ndarray]:
+    """One tensor of an "fp8" QuantizedTensor -> {weight: E4M3 [out, in], weight_scale_inv}."""
+    values = np.asarray(leaf.values[name.index] if name.index else leaf.values)  # [I, O]
+    scales = np.asarray(leaf.scales[name.index] if name.index else leaf.scales)
+    if name.transposed:
+        values, scales = values.T, scales.T
+    return {name.hf_name: np.ascontiguousarray(values),
+            name.hf_name + SCALE_SUFFIX: np.ascontiguousarray(scales, np.float32)}
+
+
 def _parse_size(size: int | str) -> int:
     if isinstance(size, int):
         return size
@@ -269,16 +279,26 @@ def save_pretrained(config: ModelConfig, params, path: str | os.PathLike,
     """Writes params in the HF layout (config.json, safetensors shards and their index).
 
     Each tensor keeps its array's dtype (the router, its bias and the indexer's head weights
-    are float32 in our params, as transformers keeps them).
+    are float32 in our params, as transformers keeps them). "fp8" QuantizedTensors are written
+    as FP8 checkpoints store them (E4M3 `weight` + `weight_scale_inv`, and a
+    quantization_config in config.json); other quantized formats have no HF layout here:
+    dequantize them first (glm5_jax.quant.dequantize_tree).
     """
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     limit = _parse_size(max_shard_size)
     names = checkpoint_names(config)
     leaves = {name.hf_name: _get(params, name.path) for name in names}
+    for name, leaf in leaves.items():
+        if is_quantized(leaf) and leaf.format != "fp8":
+            raise CheckpointError(f"{name} is quantized as {leaf.format!r}, which has no HF checkpoint "
+                                  "layout here (only 'fp8'); dequantize it first")
 
     def nbytes(name: TensorName) -> int:
         leaf = leaves[name.hf_name]
+        if is_quantized(leaf):
+            return sum(int(np.prod(a.shape[len(name.index):])) * a.dtype.itemsize
+                       for a in (leaf.values, leaf.scales))
         return int(np.prod(leaf.shape[len(name.index):])) * np.dtype(leaf.dtype).itemsize
 
     shards = _assign_shards(((n, nbytes(n)) for n in names), limit)
@@ -292,16 +312,25 @@ def save_pretrained(config: ModelConfig, params, path: str | os.PathLike,
             tensors = {}
             for name in shard:
                 leaf = leaves[name.hf_name]
-                our_slice = np.asarray(leaf[name.index] if name.index else leaf)
-                tensor = to_hf(name, our_slice, hf_shape(name, our_slice.shape))
-                tensors[name.hf_name] = tensor
-                weight_map[name.hf_name] = file_name
-                total += tensors[name.hf_name].nbytes
+                if is_quantized(leaf):
+                    written = _fp8_to_hf(name, leaf)
+                else:
+                    our_slice = np.asarray(leaf[name.index] if name.index else leaf)
+                    written = {name.hf_name: to_hf(name, our_slice, hf_shape(name, our_slice.shape))}
+                for hf_name, tensor in written.items():
+                    tensors[hf_name] = tensor
+                    weight_map[hf_name] = file_name
+                    total += tensor.nbytes
             save_file(tensors, str(staging / file_name), metadata={"format": "pt"})
         if len(shards) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
-        (staging / "config.json").write_text(json.dumps(config_to_hf(config), indent=2))
+        hf_config = config_to_hf(config)
+        if any(is_quantized(leaf) for leaf in leaves.values()):
+            hf_config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                                "activation_scheme": "dynamic",
+                                                "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2))
 
         # Retire the previous checkpoint's description first, then move the new files in.
         for stale in ("config.json", INDEX_FILE):
