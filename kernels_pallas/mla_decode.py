@@ -40,6 +40,9 @@ __all__ = ["mla_decode_attention", "mla_decode_reference", "benchmark_cases"]
 
 # GPU programs to aim for in decode (about two per H200 SM) when choosing the page-list split.
 TARGET_PROGRAMS = 256
+# A split writes and the merge reads an [N, R] float32 partial, about 1.8 pages' worth of bytes
+# at GLM-5 sizes (64 x 512 x 4 vs 64 x 576 x 2): splits shorter than this cost more than they gain.
+MIN_PAGES_PER_SPLIT = 16
 
 
 # ----------------------------------------------------------------------------- page plan
@@ -75,11 +78,10 @@ def _page_plan(block_table, query_positions, topk_positions, page_size):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _decode_kernel(*refs, scale, page_size, max_pages, pages_per_split, num_queries, has_topk,
-                   dma_pages):
+def _decode_kernel(*refs, scale, page_size, max_pages, num_splits, num_queries, has_topk, dma_pages):
     """Grid (B, T, splits). q_latent [N, R]; q_rope [N, r] (in the compute dtype); pages
     [P, page, R/r] (in HBM when dma_pages, copied one page at a time into VMEM scratch); selected
-    [max_pages, page]. Split s covers entries [s * pages_per_split, ...) of the query's page list
+    [max_pages, page]. Split s covers the s-th of num_splits even shares of the query's page list
     and writes its unnormalised partial: acc [N, R], running max and normaliser [N, 1]."""
     if has_topk:
         (table_ref, qpos_ref, pages_ref, counts_ref, ql_ref, qr_ref, latent_ref, rope_ref,
@@ -113,8 +115,11 @@ def _decode_kernel(*refs, scale, page_size, max_pages, pages_per_split, num_quer
     rows = q_latent.shape[0]
     init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, latent_ref.shape[-1]), jnp.float32))
-    first = pl.program_id(2) * pages_per_split
-    last = jnp.maximum(jnp.minimum(first + pages_per_split, counts_ref[query]), first)
+    # Even shares of this query's own page count (a top-k list may be far shorter than max_pages).
+    count = counts_ref[query]
+    share = jax.lax.div(count + num_splits - 1, num_splits)  # count >= 0; `//` needs sign(), not on Mosaic
+    first = jnp.minimum(pl.program_id(2) * share, count)
+    last = jnp.minimum(first + share, count)
     m, norm, acc = jax.lax.fori_loop(first, last, body, init)
     acc_ref[...], max_ref[...], norm_ref[...] = acc, m, norm
 
@@ -133,7 +138,7 @@ def _num_splits(backend: str, queries: int, max_pages: int) -> int:
     or two cores: no split."""
     if backend == "mosaic_tpu":
         return 1
-    return max(1, min(max_pages, -(-TARGET_PROGRAMS // queries)))
+    return max(1, min(max_pages // MIN_PAGES_PER_SPLIT, -(-TARGET_PROGRAMS // queries)))
 
 
 # ----------------------------------------------------------------------------- public API
@@ -217,7 +222,7 @@ def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, block_table
         in_specs.append(pl.BlockSpec((None, None, max_pages, page_size), lambda b, t, s: (b, t, 0, 0)))
         operands.append(selected)
     kernel = functools.partial(_decode_kernel, scale=float(scale), page_size=page_size,
-                               max_pages=max_pages, pages_per_split=-(-max_pages // splits),
+                               max_pages=max_pages, num_splits=splits,
                                num_queries=t_len, has_topk=selected is not None, dma_pages=dma_pages)
     partial = lambda width: jax.ShapeDtypeStruct((batch, t_len, splits, heads_pad, width), jnp.float32)  # noqa: E731
     acc, m, norm = pl.pallas_call(
@@ -321,7 +326,9 @@ def benchmark_cases(small: bool = False) -> list[KernelCase]:
         make = functools.partial(_decode_problem, batch=batch, lengths=lengths, heads=heads, rank=rank,
                                  rope_dim=rope_dim, page_size=page_size, topk_pages=topk_pages, dtype=dtype)
         flops = sum(2.0 * heads * n * (2 * rank + rope_dim) for n in read)
-        bytes_moved = (sum(read) * (rank + rope_dim) * itemsize
+        max_pages = -(-context // page_size)
+        partials = 2 * batch * _num_splits("triton", batch, max_pages) * heads * (rank + 2) * 4
+        bytes_moved = (sum(read) * (rank + rope_dim) * itemsize + partials
                        + batch * heads * ((rank + rope_dim) * itemsize + rank * 4))
         scale = (192 + 64) ** -0.5
         cases.append(KernelCase(f"{name} B={batch} context={context} N={heads} page={page_size}", make,
