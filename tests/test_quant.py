@@ -271,8 +271,8 @@ def test_decode_step_reads_quantized_params(tiny, tiny_mixed):
 
 
 def test_quantized_forward_close_to_unquantized(tiny, tiny_mixed):
-    """Relative RMS logit error of the mixed recipe on the tiny random model: an empirical bound
-    (measured 0.19 on the 4-layer tiny model) with about 2x margin."""
+    """Relative RMS logit error of the mixed recipe on this tiny random model: an empirical bound
+    (measured 0.159; int8 gives 0.019, fp8 0.086) with 2.5x margin."""
     config, params, ids, reference = tiny
     counts = format_counts(tiny_mixed)
     assert counts["fp8"] > 0 and counts["nvfp4"] > 0
