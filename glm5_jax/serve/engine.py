@@ -204,8 +204,6 @@ class Engine:
         self._cache = write_page(self._cache, jnp.int32(page), data)
 
     def _run(self) -> None:
-        if self.pages.host_pages:  # compile the page copies now, not on the first eviction (page 0 is empty)
-            self._reload(0, self._offload(0))
         try:
             while not self._stopping.is_set():
                 self._drop_cancelled()
@@ -350,6 +348,10 @@ class Engine:
         chosen, logprobs = np.asarray(chosen), np.asarray(logprobs)
         top_ids, top_logprobs = np.asarray(top_ids), np.asarray(top_logprobs)
         self.steps += 1
+        if self.steps == 1 and self.pages.host_pages:
+            # Compile the page copies for a cache that came out of a step (a fresh cache compiles
+            # differently), not on the first eviction; writing page 0 back unchanged is a no-op.
+            self._reload(0, self._offload(0))
         for sequence, count in plan:
             sequence.computed += count
             self._register_full_pages(sequence)
@@ -398,7 +400,7 @@ class Engine:
 
 def warm_up(engine: Engine, prompt_lengths=(1,), timeout: float = 600.0) -> None:
     """Compiles both step budgets, the sampler and slot setup (the engine thread compiles the host
-    offload page copies itself when it starts), so that requests do not pay for compilation. Runs
+    offload page copies after its first step), so that requests do not pay for compilation. Runs
     the requests twice: the second round compiles what only a cache or sampler state that came
     out of a step needs."""
     longest = min(engine.max_context - 1, engine._budgets[0] + 1)  # a prompt that needs the big budget
