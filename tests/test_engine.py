@@ -211,6 +211,7 @@ def test_prefix_hits_on_device_and_from_host(small_pool):
         return asyncio.run(collect_events(small, p, params))
 
     cold = once()
+    compiles = small.compile_count
     warm = once()
     reloads = small.pages.reloads
     # A long distinct request needs 11 of the 12 pages: the prompt's cached pages go to host memory.
@@ -230,6 +231,7 @@ def test_prefix_hits_on_device_and_from_host(small_pool):
     assert [hit for _, hit in lookups] == [0, 12, 0, 12]
     assert observer.named("on_step") and observer.named("on_first_token")
     assert small.pages.used == 0 and small.pages.host_used <= 8
+    assert small.compile_count == compiles  # offload and reload compiled once, before
 
 
 def test_bad_pool_settings_are_rejected(model):
