@@ -28,14 +28,16 @@ def attention_spec(config: ModelConfig) -> AttentionSpec:
         hidden_size=config.hidden_size, q_lora_rank=config.q_lora_rank,
         index_num_heads=config.index_num_heads, index_head_dim=config.index_head_dim,
         index_topk=config.index_topk, qk_rope_head_dim=config.qk_rope_head_dim,
-        index_norm_eps=config.index_norm_eps, initializer_range=config.initializer_range)
+        index_norm_eps=config.index_norm_eps, initializer_range=config.initializer_range,
+        impl=config.indexer_impl)
     return AttentionSpec(
         hidden_size=config.hidden_size, num_heads=config.num_heads,
         q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
         qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
         v_head_dim=config.v_head_dim, latent_norm_eps=config.latent_norm_eps,
         sliding_window=config.sliding_window, rope_theta=config.rope_theta,
-        initializer_range=config.initializer_range, indexer=indexer)
+        initializer_range=config.initializer_range, indexer=indexer,
+        attention_impl=config.attention_impl)
 
 
 def moe_spec(config: ModelConfig) -> MoESpec:
