@@ -6,36 +6,15 @@ selections are compared only after checking that no boundary gap is a near-tie (
 the two score computations could legitimately pick different keys.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import glm5_jax
-from glm5_jax.model import transformer
-from glm5_jax.model.dsa import IndexerSpec
 from glm5_jax.model.transformer import apply_model, sown_values
 
 TOL = 2e-4
 MIN_GAP = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def pass_impls_to_specs(monkeypatch):
-    """transformer.attention_spec may not forward the config's kernel switches yet; forward them.
-    (Idempotent once it does.)"""
-    original = transformer.attention_spec
-
-    def with_impls(config):
-        spec = original(config)
-        if "impl" not in {f.name for f in dataclasses.fields(IndexerSpec)}:
-            return spec
-        indexer = dataclasses.replace(spec.indexer, impl=config.indexer_impl)
-        return dataclasses.replace(spec, attention_impl=config.attention_impl, indexer=indexer)
-
-    monkeypatch.setattr(transformer, "attention_spec", with_impls)
 
 
 def _inputs(config):
@@ -67,7 +46,16 @@ def _assert_close(actual, expected, what):
     np.testing.assert_allclose(actual, expected, atol=TOL * scale, rtol=0, err_msg=what)
 
 
+def _pallas_calls(config, params, inputs) -> int:
+    """How many pallas_call equations the model's traced program holds (guards against a switch
+    that never reaches the layers, which would make the comparison vacuous)."""
+    jaxpr = jax.make_jaxpr(lambda p: apply_model(config, p, *inputs)["logits"])(params)
+    return str(jaxpr).count("pallas_call")
+
+
 def _check_switch(reference_config, params, inputs, **impls):
+    assert _pallas_calls(reference_config, params, inputs) == 0
+    assert _pallas_calls(reference_config.replace(**impls), params, inputs) >= 3  # indexer, sparse, flash
     (ref_loss, (ref_logits, gap)), ref_grads = _loss_and_grads(reference_config, params, inputs)
     assert float(gap) > MIN_GAP, "a near-tie at the top-k boundary: pick another seed"
     (loss, (logits, _)), grads = _loss_and_grads(reference_config.replace(**impls), params, inputs)
