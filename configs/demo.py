@@ -58,6 +58,9 @@ def get_config() -> ml_collections.ConfigDict:
         validation_fraction=0.02,
         seed=0,
     ))
+    # Device mesh (glm5_jax.parallel.mesh): sizes multiply to the device count, -1 fills. One CPU
+    # gives all ones; on a GPU node or TPU slice e.g. dict(fsdp=-1) or dict(data=2, expert=4).
+    config.mesh = ml_collections.ConfigDict(dict(pipeline=1, data=-1, fsdp=1, expert=1, tensor=1))
     config.num_train_steps = 400
     config.batch_size = 8
     config.grad_accum_steps = 1

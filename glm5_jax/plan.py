@@ -14,6 +14,7 @@ assignment for the per-device program: a close proxy for GPU/TPU, which fuse dif
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -37,6 +38,8 @@ def parse_args(argv):
 
 
 def _parse_value(text: str):
+    if text.startswith("["):
+        return json.loads(text)
     for cast in (int, float):
         try:
             return cast(text)
@@ -102,9 +105,10 @@ def main(argv=None) -> int:
     rules = sharding.DEFAULT_RULES
     counts = count_params(config)
     print(f"model: {counts['total'] / 1e9:.1f}B params ({counts['active'] / 1e9:.1f}B active); "
-          f"dtype {config.dtype}, params {config.param_dtype}, remat {config.remat}, moe_impl {config.moe_impl}, "
-          f"capacity factor {config.expert_capacity_factor or 'dropless'}")
-    print("mesh: " + ", ".join(f"{name}={size}" for name, size in mesh.shape.items()) + f" ({devices} devices)")
+          f"dtype {config.dtype}, params {config.param_dtype}, remat {config.remat}, "
+          f"moe_impl {config.moe_impl}, capacity factor {config.expert_capacity_factor or 'dropless'}")
+    axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    print(f"mesh: {axes} ({devices} devices)")
     started = time.perf_counter()
     if args.serve:
         report = _plan_serve(args, config, mesh, rules)
@@ -162,8 +166,9 @@ def _plan_train(args, config, mesh, rules) -> list[str]:
     opt_bytes = sharding.bytes_per_device(abstract_state.opt_state, state_sharding.opt_state)
     lines = [f"train step: batch {batch_rows} x {args.seq_len} tokens "
              f"({batch_rows * args.seq_len / mesh.size:,.0f} tokens per device)"]
+    grad_bytes = params_bytes / config.weight_dtype(0).itemsize * 4  # accumulated in float32
     lines += _memory_lines(compiled, {"params": params_bytes, "optimizer state": opt_bytes,
-                                      "gradients (f32, same sharding)": params_bytes / config.weight_dtype(0).itemsize * 4})
+                                      "gradients (f32, same sharding)": grad_bytes})
     lines += ["", f"largest parameters per device (of {len(jax.tree.leaves(abstract_state.params))}):"]
     for size, name, shape, dtype, spec in _largest(abstract_state.params, state_sharding.params, args.top):
         lines.append(f"  {_fmt(size)}  {name} {tuple(shape)} {dtype.name} -> {spec}")
@@ -206,7 +211,8 @@ def _plan_serve(args, config, mesh, rules) -> list[str]:
     cache_bytes = sharding.bytes_per_device(cache, cache_shardings)
     lines = [f"decode step: {batch_rows} sequences x 1 new token, cache of {args.context} tokens each "
              f"({decode.cache_bytes_per_token(config) / 1024:.1f} KiB per token)"]
-    lines += _memory_lines(compiled, {f"params ({config.param_dtype})": params_bytes, "latent cache": cache_bytes})
+    lines += _memory_lines(compiled, {f"params ({config.param_dtype})": params_bytes,
+                                      "latent cache": cache_bytes})
     lines += ["", "largest parameters per device:"]
     for size, name, shape, dtype, spec in _largest(param_shapes(config), params_sharding, args.top):
         lines.append(f"  {_fmt(size)}  {name} {tuple(shape)} {dtype.name} -> {spec}")

@@ -5,7 +5,9 @@ against the single-device result, and which collectives the compiled HLO holds.
     python tests/parallel_checks.py "data=8" "fsdp=2,tensor=2,expert=2" ...
 
 Prints one JSON object per line. A mesh suffixed "@cf=F" runs the forward loss only, with
-expert_capacity_factor F (so tokens may be dropped); "@step" runs the full sharded train step.
+expert_capacity_factor F (so tokens may be dropped); "@step" runs the full sharded train step;
+"@ragged" only lowers forward+backward with expert_dispatch="ragged_all_to_all" (XLA:CPU cannot
+compile ragged_all_to_all; GPUs and TPUs can).
 """
 
 import json
@@ -29,8 +31,9 @@ from glm5_jax.train.step import init_train_state, make_loss_fn, make_train_step,
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# 1 dense + 4 MoE layers: 4 MoE layers split into 2 or 4 pipeline stages.
-CONFIG = load_model_config("configs/tiny.py", num_layers=5, indexer_types=[], attention_types=[],
+# 4 MoE layers (split into 2 or 4 pipeline stages), no dense prefix and no MTP head: the
+# smallest graph that exercises every parallel path (compile time dominates this check).
+CONFIG = load_model_config("configs/tiny.py", num_layers=4, num_dense_layers=0, num_mtp_layers=0,
                            moe_impl="blocked")
 SETTINGS = TrainSettings(batch_size=8)
 BATCH_ROWS, LENGTH = 8, 16
@@ -70,7 +73,15 @@ def main(meshes):
         batch_sharding = sharding.batch_sharding(mesh)
         placed_batch = jax.device_put(batch, batch_sharding)
         result = {"mesh": text, "variant": variant}
-        if variant == "step":
+        if variant == "ragged":
+            config = CONFIG.replace(expert_dispatch="ragged_all_to_all", moe_impl="ragged")
+            abstract = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
+                                    sharding.param_shardings(config, mesh))
+            ragged_grad = jax.value_and_grad(make_loss_fn(config, SETTINGS), has_aux=True)
+            with sharding.activate(mesh, sharding.DEFAULT_RULES):
+                lowered = jax.jit(ragged_grad).trace(abstract, placed_batch).lower().as_text()
+            result.update(ragged_all_to_all=lowered.count("ragged_all_to_all"))
+        elif variant == "step":
             optimizer = make_optimizer(SETTINGS)
             state = place_train_state(init_train_state(params, optimizer), config, optimizer, mesh)
             step = make_train_step(config, SETTINGS, optimizer, mesh)
@@ -83,7 +94,7 @@ def main(meshes):
                           grad_norm_rel=abs(float(metrics["grad_norm"]) - reference_norm) / reference_norm,
                           shardings_kept=bool(shardings_kept), step=int(new_state.step))
         else:
-            fn = (lambda p, b: make_loss_fn(config, SETTINGS)(p, b)) if variant else value_and_grad
+            fn = make_loss_fn(config, SETTINGS) if variant else value_and_grad
             with sharding.activate(mesh, sharding.DEFAULT_RULES):
                 compiled = jax.jit(fn, in_shardings=(param_shardings, batch_sharding)).lower(
                     jax.device_put(params, param_shardings), placed_batch).compile()
@@ -94,7 +105,8 @@ def main(meshes):
                 sharded_loss, (metrics, _) = out
                 result.update(loss_rel=abs(float(sharded_loss) - float(loss)) / abs(float(loss)),
                               dropped=float(metrics.get("dropped_tokens", -1.0)),
-                              copies=BATCH_ROWS * LENGTH * CONFIG.num_experts_per_token * CONFIG.num_moe_layers)
+                              copies=BATCH_ROWS * LENGTH * CONFIG.num_experts_per_token
+                              * CONFIG.num_moe_layers)
             else:
                 (sharded_loss, (metrics, _)), sharded_grads = out
                 result.update(loss_rel=abs(float(sharded_loss) - float(loss)) / abs(float(loss)),

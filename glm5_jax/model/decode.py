@@ -48,6 +48,7 @@ from glm5_jax.model.layers import apply_rope, rms_norm, rope_angles, swiglu_mlp
 from glm5_jax.model.mla import absorbed_attention, kv_latent, query_path
 from glm5_jax.model.moe import ROUTED_EXPERTS, route
 from glm5_jax.model.transformer import moe_spec
+from glm5_jax.parallel.expert import expert_mesh, routed_experts_sharded
 
 STACKS = ("dense_layers", "moe_layers")
 FULL_WIDTHS = ("latent", "k_rope", "index_keys")
@@ -224,8 +225,14 @@ def _feed_forward(config: ModelConfig, layer, x, ffn: str):
     moe, spec = layer["moe"], moe_spec(config)
     tokens = x.reshape(-1, x.shape[-1])
     weights, experts, _ = route(tokens, moe["router"], moe["router_bias"], spec)
-    y = ROUTED_EXPERTS[spec.impl](tokens, weights, experts, moe["gate_proj"], moe["up_proj"],
-                                  moe["down_proj"])
+    mesh = expert_mesh()  # expert-parallel serving: tokens travel to the experts, not weights
+    if mesh is None:
+        y = ROUTED_EXPERTS[spec.impl](tokens, weights, experts, moe["gate_proj"], moe["up_proj"],
+                                      moe["down_proj"])
+    else:
+        y, _ = routed_experts_sharded(tokens, weights, experts, moe["gate_proj"], moe["up_proj"],
+                                      moe["down_proj"], mesh=mesh, local_impl=ROUTED_EXPERTS[spec.impl],
+                                      capacity_factor=spec.capacity_factor, dispatch=spec.dispatch)
     y = y.reshape(x.shape)
     if config.num_shared_experts:
         shared = moe["shared_experts"]

@@ -6,7 +6,8 @@ drops a later logical axis whose mesh axis is already taken, so activations [bat
 embed] shard over the batch axes only while weights [embed, ...] shard embed over fsdp.
 
     batch   -> (data, fsdp, expert)   data parallel outside the experts, token owners inside
-    embed   -> fsdp                   FSDP: weights and optimizer state split, gathered per use
+    embed, q_lora, kv_lora -> fsdp    FSDP: weights and optimizer state split, gathered per use
+                                      (a weight's first such axis takes fsdp)
     heads, index_heads, mlp, vocab -> tensor   (Megatron-style tensor parallelism)
     experts -> expert                 expert parallelism (shard_map + all_to_all in the MoE)
     layers  -> pipeline               each pipeline stage stores its own layers
@@ -41,8 +42,8 @@ DEFAULT_RULES: Rules = (
     ("index_heads", "tensor"),
     ("mlp", "tensor"),
     ("experts", "expert"),
-    ("q_lora", None),
-    ("kv_lora", None),
+    ("q_lora", "fsdp"),
+    ("kv_lora", "fsdp"),
     ("head_dim", None),
     ("norm", None),
 )

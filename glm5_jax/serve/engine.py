@@ -54,6 +54,9 @@ class RequestStream:
         self.params = params
         self.cancelled = threading.Event()
         self.submitted_at = time.perf_counter()
+        # Prompt tokens served from the prefix cache, set at first admission (read by the API
+        # when a stop string ends the request before the engine's final event).
+        self.cached_tokens = 0
         self._loop = loop
         self._events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
         self.finished = False
@@ -276,7 +279,7 @@ class Engine:
         self._sampling = set_slot(self._sampling, sequence.slot, stream.params, stream.prompt_ids,
                                   sequence.seed)
         if sequence.cached_tokens is None:  # first admission (not a return from preemption)
-            sequence.cached_tokens = sequence.computed
+            sequence.cached_tokens = stream.cached_tokens = sequence.computed
             self.observer.on_admitted(stream.request_id, time.perf_counter() - stream.submitted_at,
                                       sequence.computed)
         return True
