@@ -34,6 +34,8 @@ def parse_args(argv):
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a model field, e.g. --set remat=full (repeatable)")
     parser.add_argument("--top", type=int, default=8, help="how many of the largest tensors to list")
+    parser.add_argument("--buffers", type=int, default=0,
+                        help="also list the N largest values in the compiled per-device program")
     return parser.parse_args(argv)
 
 
@@ -81,9 +83,12 @@ def _largest(abstract, shardings, top: int):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     devices = args.devices or _mesh_product(args.mesh)
-    # Must happen before JAX creates its CPU backend.
+    # Must happen before JAX creates its CPU backend. XLA:CPU computes bf16 dots in float32 and
+    # loop-invariant code motion would then hoist float32 copies of every layer's weights out of
+    # the layer loop, a CPU-only artifact that would dominate the temporaries; keep it off.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={devices}")
+                               + f" --xla_force_host_platform_device_count={devices}"
+                               + " --xla_disable_hlo_passes=while-loop-invariant-code-motion")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     import jax
@@ -115,10 +120,37 @@ def main(argv=None) -> int:
     else:
         report = _plan_train(args, config, mesh, rules)
     print(f"compiled in {time.perf_counter() - started:.0f} s")
+    report, compiled = report
     for line in report:
         print(line)
+    if args.buffers:
+        print("\nlargest values in the compiled per-device program (not all live at once):")
+        for line in largest_buffers(compiled.as_text(), args.buffers):
+            print(line)
     del jnp
     return 0
+
+
+_ITEMSIZE = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
+             "pred": 1, "f8e4m3fn": 1}
+
+
+def largest_buffers(hlo_text: str, count: int) -> list[str]:
+    """The `count` largest instruction results of a compiled HLO module, with their op names."""
+    import re
+
+    rows = []
+    for line in hlo_text.splitlines():
+        match = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[([\d,]*)\]", line)
+        if not match or match.group(1) not in _ITEMSIZE:
+            continue
+        size = _ITEMSIZE[match.group(1)]
+        for dim in filter(None, match.group(2).split(",")):
+            size *= int(dim)
+        name = re.search(r'op_name="([^"]+)"', line)
+        rows.append((size, f"{match.group(1)}[{match.group(2)}]", name.group(1) if name else ""))
+    rows.sort(key=lambda row: -row[0])
+    return [f"  {_fmt(size)}  {shape:<30} {name[-100:]}" for size, shape, name in rows[:count]]
 
 
 def _memory_lines(compiled, parts: dict[str, float]) -> list[str]:
@@ -165,14 +197,14 @@ def _plan_train(args, config, mesh, rules) -> list[str]:
     params_bytes = sharding.bytes_per_device(abstract_state.params, state_sharding.params)
     opt_bytes = sharding.bytes_per_device(abstract_state.opt_state, state_sharding.opt_state)
     lines = [f"train step: batch {batch_rows} x {args.seq_len} tokens "
-             f"({batch_rows * args.seq_len / mesh.size:,.0f} tokens per device)"]
+             f"({batch_rows * args.seq_len / mesh.size:,.0f} tokens per device on average)"]
     grad_bytes = params_bytes / config.weight_dtype(0).itemsize * 4  # accumulated in float32
     lines += _memory_lines(compiled, {"params": params_bytes, "optimizer state": opt_bytes,
                                       "gradients (f32, same sharding)": grad_bytes})
     lines += ["", f"largest parameters per device (of {len(jax.tree.leaves(abstract_state.params))}):"]
     for size, name, shape, dtype, spec in _largest(abstract_state.params, state_sharding.params, args.top):
         lines.append(f"  {_fmt(size)}  {name} {tuple(shape)} {dtype.name} -> {spec}")
-    return lines
+    return lines, compiled
 
 
 def _plan_serve(args, config, mesh, rules) -> list[str]:
@@ -204,8 +236,8 @@ def _plan_serve(args, config, mesh, rules) -> list[str]:
                             cache, cache_shardings)
     tokens = jax.ShapeDtypeStruct((batch_rows, 1), jnp.int32, sharding=NamedSharding(mesh, P(batch_axes)))
     with sharding.activate(mesh, rules):
-        compiled = jax.jit(decode.decode_step.__wrapped__ if hasattr(decode.decode_step, "__wrapped__")
-                           else decode.decode_step, static_argnums=0).trace(
+        step = getattr(decode.decode_step, "__wrapped__", decode.decode_step)
+        compiled = jax.jit(step, static_argnums=0, donate_argnums=2).trace(
             config, params_in, cache_in, tokens, tokens).lower().compile()
     params_bytes = sharding.bytes_per_device(param_shapes(config), params_sharding)
     cache_bytes = sharding.bytes_per_device(cache, cache_shardings)
@@ -216,7 +248,7 @@ def _plan_serve(args, config, mesh, rules) -> list[str]:
     lines += ["", "largest parameters per device:"]
     for size, name, shape, dtype, spec in _largest(param_shapes(config), params_sharding, args.top):
         lines.append(f"  {_fmt(size)}  {name} {tuple(shape)} {dtype.name} -> {spec}")
-    return lines
+    return lines, compiled
 
 
 if __name__ == "__main__":
