@@ -1,5 +1,12 @@
 """Pallas kernels (TPU via Mosaic, NVIDIA GPUs via Triton), each beside its plain-jnp reference.
 
-Empty until the kernels issue lands: the model's jnp formulations in glm5_jax/model are the
-references those kernels will be tested against.
+    common.py              backend choice, pallas_call options, lowering helper, KernelCase
+    flash_attention.py     causal/segment/sliding-window flash attention, forward and backward
+    dsa_indexer.py         DSA indexer scores fused with the top-k selection (radix select)
+    sparse_attention.py    gathered top-k attention in absorbed-MLA form, forward and backward
+    mla_decode.py          MLA attention over a paged latent cache (block table, optional top-k)
+    moe_grouped_matmul.py  grouped matmul over expert-sorted rows, forward and backward
+
+The model selects them per op (ModelConfig.attention_impl, indexer_impl, decode_attention_impl,
+moe_impl="pallas"); see docs/kernels.md.
 """

@@ -3,6 +3,14 @@
 The model annotates weights with these names and calls `constrain` on activations; which mesh
 axis each name maps to is decided outside the model (a rules table), so the math never mentions
 devices. With no rules in context `constrain` is a no-op.
+
+    logical.py   AXIS_NAMES and constrain
+    mesh.py      MeshSpec, make_mesh, initialize_distributed (the mesh from the config)
+    sharding.py  DEFAULT_RULES, param/optimizer/batch shardings, activate(mesh, rules)
+    expert.py    expert parallelism: shard_map + all_to_all (or ragged_all_to_all) dispatch
+    pipeline.py  GPipe pipeline over the `pipeline` axis (ppermute inside shard_map)
+
+Only logical.py is imported here (the model imports it; the rest imports the model).
 """
 
 from glm5_jax.parallel.logical import AXIS_NAMES, constrain

@@ -2,11 +2,18 @@
 
     types.py     SamplingParams, GenerationEvent, InvalidRequestError (shared request types)
     sampling.py  the batched sampler (temperature, top-k/p, min-p, penalties, logprobs)
-    engine.py    Engine: continuous batching over a fixed number of slots, one request stream each
+    engine.py    Engine: continuous batching on a paged latent cache, chunked prefill under a token
+                 budget, preemption, prefix caching with host offload
+    paged_cache.py  page hash chain and PageAllocator (ref counts, LRU, host offload)
+    observer.py  EngineObserver: the engine's metric hooks
+    metrics.py   ServerMetrics: Prometheus metrics (its own registry per server)
+    limits.py    RateLimiter: requests- and tokens-per-minute limits per API key
+    server_config.py  the server config file (aliases, API keys, limits)
+    accounting.py  usage (cached tokens) and rate-limit settlement around a request stream
     chat.py      ChatRenderer, load_chat_template, load_special_tokens: messages -> prompt text
     textstream.py  engine events -> text (incremental detokenising, stop strings)
     api.py       create_app(engine, model_id, ...): the FastAPI app (/v1/completions, /v1/chat/completions,
-                 /v1/models, /health)
+                 /v1/models, /health, /metrics)
 
 Nothing is imported here, so that using the engine needs neither FastAPI nor jinja2 and the API
 can be tested without JAX: import the submodule you need. `python serve.py` runs a server.
