@@ -6,6 +6,7 @@ against the single-device result, and which collectives the compiled HLO holds.
 
 Prints one JSON object per line. A mesh suffixed "@cf=F" runs the forward loss only, with
 expert_capacity_factor F (so tokens may be dropped); "@step" runs the full sharded train step;
+"@pallas" compares the Pallas-kernel config sharded vs on one device;
 "@ragged" only lowers forward+backward with expert_dispatch="ragged_all_to_all" (XLA:CPU cannot
 compile ragged_all_to_all; GPUs and TPUs can).
 """
@@ -24,6 +25,7 @@ import numpy as np  # noqa: E402
 from glm5_jax.config_files import load_model_config  # noqa: E402
 from glm5_jax.model import init_params  # noqa: E402
 from glm5_jax.parallel import sharding  # noqa: E402
+from glm5_jax.parallel.local import run_local  # noqa: E402
 from glm5_jax.parallel.mesh import MeshSpec, make_mesh  # noqa: E402
 from glm5_jax.train.optimizer import make_optimizer  # noqa: E402
 from glm5_jax.train.settings import TrainSettings  # noqa: E402
@@ -58,6 +60,21 @@ def relative_error(got, want) -> float:
     return worst
 
 
+def local_shape_seen(mesh) -> list[int]:
+    """The shape a function wrapped by run_local sees for an [8, 3, 4, 2] ("batch", -, "heads", -)
+    input on this mesh."""
+    seen = []
+
+    def record(x):
+        seen.append(x.shape)
+        return x
+
+    heads = ("batch", None, "heads", None)
+    with sharding.activate(mesh, sharding.DEFAULT_RULES):
+        jax.jit(lambda x: run_local(record, (x,), (heads,), heads)).trace(jnp.zeros((8, 3, 4, 2)))
+    return list(seen[0])
+
+
 def main(meshes):
     params = init_params(CONFIG, 0)
     batch = make_batch()
@@ -73,7 +90,20 @@ def main(meshes):
         batch_sharding = sharding.batch_sharding(mesh)
         placed_batch = jax.device_put(batch, batch_sharding)
         result = {"mesh": text, "variant": variant}
-        if variant == "ragged":
+        if variant == "pallas":  # the Pallas kernels (interpreted) run per device via shard_map
+            config = CONFIG.replace(attention_impl="pallas", indexer_impl="pallas", moe_impl="pallas")
+            grad_fn = jax.value_and_grad(make_loss_fn(config, SETTINGS), has_aux=True)
+            (want, _), want_grads = jax.jit(grad_fn)(params, batch)
+            shardings = sharding.param_shardings(config, mesh)
+            with sharding.activate(mesh, sharding.DEFAULT_RULES):
+                compiled = jax.jit(grad_fn, in_shardings=(shardings, batch_sharding)).lower(
+                    jax.device_put(params, shardings), placed_batch).compile()
+                (got, _), got_grads = compiled(jax.device_put(params, shardings), placed_batch)
+            result.update(local_shape=local_shape_seen(mesh),
+                          loss_rel=abs(float(got) - float(want)) / abs(float(want)),
+                          grad_rel=relative_error(got_grads, want_grads),
+                          reference_loss_rel=abs(float(want) - float(loss)) / abs(float(loss)))
+        elif variant == "ragged":
             config = CONFIG.replace(expert_dispatch="ragged_all_to_all", moe_impl="ragged")
             abstract = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
                                     sharding.param_shardings(config, mesh))
@@ -83,7 +113,9 @@ def main(meshes):
             result.update(ragged_all_to_all=lowered.count("ragged_all_to_all"))
         elif variant == "step":
             optimizer = make_optimizer(SETTINGS)
-            state = place_train_state(init_train_state(params, optimizer), config, optimizer, mesh)
+            # A copy: the step donates its state, and placing may reuse `params`' buffers.
+            state = place_train_state(init_train_state(jax.tree.map(jnp.copy, params), optimizer), config,
+                                      optimizer, mesh)
             step = make_train_step(config, SETTINGS, optimizer, mesh)
             new_state, metrics = step(state, placed_batch)
             shardings_kept = all(

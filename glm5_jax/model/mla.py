@@ -11,6 +11,7 @@ attention in the absorbed form on DSA layers, flash attention on sliding-window 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -25,6 +26,7 @@ from glm5_jax.model.dsa import (
 )
 from glm5_jax.model.layers import apply_rope, declare_weight, normal_init, rms_norm, rope_angles
 from glm5_jax.parallel import constrain
+from glm5_jax.parallel.local import run_local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +129,12 @@ def sparse_latent_attention(q_nope, q_rope, latent, k_rope, kv_b_proj, indices, 
 
     nope_dim = q_nope.shape[-1]
     q_absorbed = jnp.einsum("BTNH,RNH->BTNR", q_nope, kv_b_proj[..., :nope_dim])  # [B, T, N, Rkv]
-    context = sparse_attention(q_absorbed, q_rope, latent, k_rope, indices, positions, positions,
-                               segment_ids, segment_ids, scale=(nope_dim + q_rope.shape[-1]) ** -0.5)
+    kernel = functools.partial(sparse_attention, scale=(nope_dim + q_rope.shape[-1]) ** -0.5)
+    heads, keys, rows = ("batch", None, "heads", None), ("batch", None, None), ("batch", None)
+    # Each device runs the kernel on its own sequences and heads (a pallas_call has no SPMD rule).
+    context = run_local(kernel, (q_absorbed, q_rope, latent, k_rope, indices, positions, positions,
+                                 segment_ids, segment_ids),
+                        (heads, heads, keys, keys, keys, rows, rows, rows, rows), heads)
     return jnp.einsum("BTNR,RNH->BTNH", context, kv_b_proj[..., nope_dim:])
 
 
@@ -146,8 +152,11 @@ def pallas_attention(spec: AttentionSpec, q_nope, q_rope, latent, k_rope, kv_b_p
     def window():
         key, value = expand_latent(latent, k_rope, kv_b_proj, q_nope.shape[-1])
         query = jnp.concatenate([q_nope, q_rope], axis=-1)
-        return flash_attention(query, key, value, positions, positions, segment_ids, segment_ids,
-                               sliding_window=spec.sliding_window).astype(value.dtype)
+        kernel = functools.partial(flash_attention, sliding_window=spec.sliding_window)
+        heads, rows = ("batch", None, "heads", None), ("batch", None)
+        out = run_local(kernel, (query, key, value, positions, positions, segment_ids, segment_ids),
+                        (heads, heads, heads, rows, rows, rows, rows), heads)
+        return out.astype(value.dtype)
 
     if spec.sliding_window == 0 or sliding is False:
         return dsa()

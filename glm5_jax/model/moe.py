@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from glm5_jax.model.layers import MLP, declare_weight, normal_init
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.expert import expert_mesh, routed_experts_sharded
+from glm5_jax.parallel.local import run_local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +201,11 @@ class MoE(nn.Module):
                  sequence_balance_loss(scores.reshape(batch, length, num_experts),
                                        experts.reshape(batch, length, -1), num_experts))
         mesh = expert_mesh()
-        if mesh is None:
+        if mesh is None and spec.impl == "pallas":  # per device on its own tokens, whole experts
+            rows, whole = ("batch", None), (None, None, None)
+            y = run_local(routed_experts_pallas, (tokens, weights, experts, gate_proj, up_proj, down_proj),
+                          (rows, rows, rows, whole, whole, whole), rows)
+        elif mesh is None:
             y = ROUTED_EXPERTS[spec.impl](tokens, weights, experts, gate_proj, up_proj, down_proj)
         else:
             y, dropped = routed_experts_sharded(

@@ -9,6 +9,7 @@ devices. With no rules in context `constrain` is a no-op.
     sharding.py  DEFAULT_RULES, param/optimizer/batch shardings, activate(mesh, rules)
     expert.py    expert parallelism: shard_map + all_to_all (or ragged_all_to_all) dispatch
     pipeline.py  GPipe pipeline over the `pipeline` axis (ppermute inside shard_map)
+    local.py     run_local: a kernel call on each device's own shard (shard_map by logical axes)
 
 Only logical.py is imported here (the model imports it; the rest imports the model).
 """
