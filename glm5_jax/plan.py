@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -50,14 +51,6 @@ def _parse_value(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-def _mesh_product(text: str) -> int:
-    product = 1
-    for item in filter(None, text.split(",")):
-        size = int(item.split("=")[1])
-        product *= max(size, 1)
-    return product
-
-
 def _fmt(nbytes: float) -> str:
     if nbytes < GIB:
         return f"{nbytes / 1024**2:8.2f} MiB"
@@ -82,7 +75,14 @@ def _largest(abstract, shardings, top: int):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    devices = args.devices or _mesh_product(args.mesh)
+    from glm5_jax.parallel.mesh import MeshError, MeshSpec  # importing JAX does not start a backend
+
+    try:
+        spec = MeshSpec.parse(args.mesh)
+    except MeshError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    devices = args.devices or math.prod(max(size, 1) for size in spec.sizes_given())
     # Must happen before JAX creates its CPU backend. XLA:CPU computes bf16 dots in float32 and
     # loop-invariant code motion would then hoist float32 copies of every layer's weights out of
     # the layer loop, a CPU-only artifact that would dominate the temporaries; keep it off.
@@ -92,18 +92,17 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     import jax
-    import jax.numpy as jnp
 
     from glm5_jax.config_files import load_model_config
     from glm5_jax.model.config import ConfigError
     from glm5_jax.model.count import count_params
     from glm5_jax.parallel import sharding
-    from glm5_jax.parallel.mesh import MeshError, MeshSpec, make_mesh
+    from glm5_jax.parallel.mesh import make_mesh
 
     try:
         overrides = dict(item.split("=", 1) for item in args.set)
         config = load_model_config(args.config, **{k: _parse_value(v) for k, v in overrides.items()})
-        mesh = make_mesh(MeshSpec.parse(args.mesh), config, jax.devices()[:devices])
+        mesh = make_mesh(spec, config, jax.devices()[:devices])
     except (ConfigError, MeshError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -127,7 +126,6 @@ def main(argv=None) -> int:
         print("\nlargest values in the compiled per-device program (not all live at once):")
         for line in largest_buffers(compiled.as_text(), args.buffers):
             print(line)
-    del jnp
     return 0
 
 

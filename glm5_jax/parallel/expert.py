@@ -160,13 +160,13 @@ def routed_experts_sharded(x, weights, experts, gate_proj, up_proj, down_proj, *
     body = {"all_to_all": _dispatch_all_to_all, "ragged_all_to_all": _dispatch_ragged}[dispatch]
     body = functools.partial(body, shards=shards, capacity_factor=capacity_factor, local_impl=local_impl,
                              tensor_split=tensor_split)
-    manual = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-              if kind != jax.sharding.AxisType.Manual}  # the axes this shard_map makes manual
+    free_axes = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                 if kind != jax.sharding.AxisType.Manual}  # the axes this shard_map makes manual
 
     def counted(*args):
         y, dropped = body(*args)
         return y, jax.lax.psum(dropped, _batch_axes(mesh))  # tokens are distinct along these only
 
     sharded = jax.shard_map(counted, mesh=mesh, in_specs=in_specs, out_specs=(tokens, P()),
-                            axis_names=manual, check_vma=False)
+                            axis_names=free_axes, check_vma=False)
     return sharded(x, weights, experts, gate_proj, up_proj, down_proj)

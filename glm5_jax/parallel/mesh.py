@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from glm5_jax.model.config import ModelConfig
 
@@ -64,6 +63,10 @@ class MeshSpec:
                                 "e.g. data=2,expert=4") from None
         return cls.from_dict(values)
 
+    def sizes_given(self) -> tuple[int, ...]:
+        """The sizes as written (-1 = fill), in MESH_AXES order."""
+        return tuple(getattr(self, name) for name in MESH_AXES)
+
     def sizes(self, device_count: int) -> dict[str, int]:
         """Axis sizes with -1 resolved; raises MeshError unless they multiply to device_count."""
         sizes = {name: getattr(self, name) for name in MESH_AXES}
@@ -105,13 +108,8 @@ def make_mesh(spec: MeshSpec, config: ModelConfig | None = None,
     if config is not None:
         check_model_fits(sizes, config)
     shape = tuple(sizes[name] for name in MESH_AXES)
-    try:
-        from jax.experimental import mesh_utils
-
-        grid = mesh_utils.create_device_mesh(shape, devices)
-    except (ValueError, NotImplementedError, AssertionError):
-        grid = np.asarray(devices).reshape(shape)
-    return jax.sharding.Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
 
 
 def initialize_distributed() -> bool:

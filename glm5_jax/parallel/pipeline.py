@@ -70,9 +70,8 @@ def _combine(name: str, total, value, valid):
 
 
 def _init_total(name: str, value):
-    if COMBINE.get(name, "sum") == "min":
-        return jnp.full_like(value, jnp.inf) if jnp.issubdtype(value.dtype, jnp.floating) else value
-    return jnp.zeros_like(value)
+    """The neutral start of a COMBINE reduction (the sown values are float)."""
+    return jnp.full_like(value, jnp.inf) if COMBINE.get(name, "sum") == "min" else jnp.zeros_like(value)
 
 
 def run_pipeline(layer_fn: Callable, stack_params, carry, positions, segment_ids, layer_flags,

@@ -16,6 +16,7 @@ embed] shard over the batch axes only while weights [embed, ...] shard embed ove
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping, Sequence
 
 import flax.linen as nn
@@ -124,11 +125,6 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
 
 def bytes_per_device(abstract_tree, sharding_tree) -> int:
     """Bytes one device holds of a pytree of ShapeDtypeStructs placed with these shardings."""
-    total = 0
-    for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(sharding_tree), strict=True):
-        shard = sharding.shard_shape(leaf.shape)
-        count = 1
-        for size in shard:
-            count *= size
-        total += count * leaf.dtype.itemsize
-    return total
+    return sum(math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(sharding_tree),
+                                         strict=True))
