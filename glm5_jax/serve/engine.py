@@ -54,8 +54,7 @@ class RequestStream:
         self.params = params
         self.cancelled = threading.Event()
         self.submitted_at = time.perf_counter()
-        # Prompt tokens served from the prefix cache, set at first admission (read by the API
-        # when a stop string ends the request before the engine's final event).
+        # Prompt tokens served from the prefix cache, set at first admission (the API's usage).
         self.cached_tokens = 0
         self._loop = loop
         self._events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
