@@ -6,6 +6,8 @@ norm weights and biases, a non-zero router selection bias.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -50,15 +52,53 @@ def reference_logits(model: GlmMoeDsaForCausalLM, input_ids: np.ndarray) -> np.n
         return model(torch.as_tensor(np.asarray(input_ids), dtype=torch.long)).logits.float().numpy()
 
 
-def perturbed_params(config: ModelConfig, seed: int, spread: float = 0.3):
-    """Our random init with every norm scale and bias moved by uniform(-spread, spread), so
-    ones/zeros cannot hide a mistake in how they are used."""
-    import jax
-
-    import glm5_jax
+def random_params(config: ModelConfig, seed: int, spread: float = 0.0):
+    """Random parameters like `init_params` (normal(initializer_range) matrices, unit norm scales,
+    zero biases) drawn with numpy from the traced shapes: compiling `init_params` costs ~9 s even
+    for the tiny model, tracing the shapes well under one. With spread > 0, every norm scale and
+    bias is moved by uniform(-spread, spread), so ones/zeros cannot hide a mistake in their use."""
+    from glm5_jax.model.transformer import param_shapes
 
     rng = np.random.default_rng(seed)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf + rng.uniform(-spread, spread, leaf.shape).astype(leaf.dtype)
-        if "scale" in str(path[-1]) or "bias" in str(path[-1]) else leaf,
-        glm5_jax.init_params(config, seed))
+
+    def leaf(path, shape):
+        name = str(path[-1].key)
+        if name.endswith("bias"):
+            values = np.zeros(shape.shape)
+        elif "norm" in name or name == "scale":
+            values = np.ones(shape.shape)
+        else:
+            values = config.initializer_range * rng.standard_normal(shape.shape)
+        if spread and ("scale" in name or "bias" in name):
+            values = values + rng.uniform(-spread, spread, shape.shape)
+        return jnp.asarray(values, shape.dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, param_shapes(config))
+
+
+def perturbed_params(config: ModelConfig, seed: int, spread: float = 0.3):
+    """`random_params` with every norm scale and bias perturbed by uniform(-spread, spread)."""
+    return random_params(config, seed, spread)
+
+
+def greedy_chain(config: ModelConfig, params, prompt, max_tokens: int, length: int = 0) -> list[int]:
+    """The argmax chain of the full forward (no cache), stopping at the config's EOS ids.
+
+    Every forward runs on one padded shape, [1, length] (default len(prompt) + max_tokens):
+    causal attention (and the indexer's causal top-k) make row i independent of the padding
+    after it, so chains of any length share one compilation instead of one per length.
+    """
+    import glm5_jax
+
+    eos = config.eos_token_ids
+    ids = np.zeros((1, max(length, len(prompt) + max_tokens)), np.int32)
+    ids[0, :len(prompt)] = prompt
+    generated = []
+    for index in range(len(prompt), len(prompt) + max_tokens):
+        logits = np.asarray(glm5_jax.forward(config, params, ids))
+        token = int(np.argmax(logits[0, index - 1]))
+        generated.append(token)
+        ids[0, index] = token
+        if token in eos:
+            break
+    return generated

@@ -17,6 +17,9 @@ from glm5_jax.serve.api import create_app
 from glm5_jax.serve.chat import ChatRenderer, load_chat_template, load_special_tokens, render_glm5
 from glm5_jax.serve.metrics import ServerMetrics
 
+# One xdist worker runs this module, so its fixtures (a served fake engine) are built once.
+pytestmark = pytest.mark.xdist_group("api")
+
 MODEL = "glm5-test"
 KEY = "sk-test-key"
 TOKENIZER = make_tokenizer()

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from reference import build_reference, reference_logits
+from reference import build_reference, perturbed_params, random_params, reference_logits
 from safetensors.numpy import load_file, save_file
 from transformers import GlmMoeDsaForCausalLM
 
@@ -15,27 +15,11 @@ from glm5_jax import CheckpointError, ConfigError
 from glm5_jax.checkpoint import checkpoint_names
 
 
-def perturbed_params(config, seed=0):
-    """Our random init with non-trivial norms and biases (ones/zeros would hide mapping bugs)."""
-    params = glm5_jax.init_params(config, seed)
-    rng = np.random.default_rng(seed)
-
-    def perturb(path, leaf):
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
-        if name.endswith("scale"):
-            return leaf + rng.uniform(-0.5, 0.5, leaf.shape).astype(leaf.dtype)
-        if name.endswith("bias"):
-            return leaf + rng.normal(0, 0.1, leaf.shape).astype(leaf.dtype)
-        return leaf
-
-    return jax.tree_util.tree_map_with_path(perturb, params)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, tiny_config):
     """Our params saved by glm5_jax.save_pretrained, sharded into several files."""
     path = tmp_path_factory.mktemp("ours")
-    params = perturbed_params(tiny_config)
+    params = perturbed_params(tiny_config, 0)
     glm5_jax.save_pretrained(tiny_config, params, path, max_shard_size="200KB")
     return path, params
 
@@ -100,7 +84,7 @@ def test_names_cover_every_parameter_once(tiny_config):
 # ------------------------------------------------------------------ bad checkpoints
 @pytest.fixture
 def single_file_checkpoint(tmp_path, tiny_config):
-    glm5_jax.save_pretrained(tiny_config, glm5_jax.init_params(tiny_config, 1), tmp_path)
+    glm5_jax.save_pretrained(tiny_config, random_params(tiny_config, 1), tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     return tmp_path
 

@@ -29,6 +29,9 @@ from glm5_jax.data import (
 )
 from glm5_jax.data import tokenizer as tokenizer_module
 
+# One xdist worker runs this module, so its fixtures (a trained tokenizer and corpus) are built once.
+pytestmark = pytest.mark.xdist_group("data")
+
 SEQ_LEN = 32
 BATCH = 4
 
@@ -224,7 +227,7 @@ def test_shards_are_disjoint_and_cover_the_training_documents(corpus):
     assert set().union(*ids) == {document.doc_id for document in everything}
     for index, shard in enumerate(shards):
         iterator = _train(corpus, [corpus["lower"]], shard_index=index, shard_count=3)
-        batches = _take(iterator, 4)
+        batches = _take(iterator, 8)  # enough rows to hold complete documents in every shard
         pieces = [piece for row in range(BATCH)
                   for piece in _pieces(_stream(batches, row), end_of_text_id(tokenizer))]
         own = {tuple(tokenizer.encode(document.text).ids) for document in shard}

@@ -18,11 +18,15 @@ def decode_logits(config, params, sequences, prompt_lengths):
     """Teacher-forced decode: returns {slot: logits [len, V]} for each sequence."""
     cache = init_cache(config, len(sequences), MAX_LENGTH)
     rows = {}
+    prefill_length = max(prompt_lengths)  # one prefill shape: padding sits past the cache
     for slot, (sequence, prompt_length) in enumerate(zip(sequences, prompt_lengths, strict=True)):
         single = init_cache(config, 1, MAX_LENGTH)
-        tokens = np.asarray(sequence[:prompt_length])[None]
-        logits, single = decode_step(config, params, single, tokens, np.arange(prompt_length)[None])
-        rows[slot] = [np.asarray(logits[0])]
+        tokens = np.zeros((1, prefill_length), np.int32)
+        tokens[0, :prompt_length] = sequence[:prompt_length]
+        positions = np.full((1, prefill_length), MAX_LENGTH)  # writes there are dropped
+        positions[0, :prompt_length] = np.arange(prompt_length)
+        logits, single = decode_step(config, params, single, tokens, positions)
+        rows[slot] = [np.asarray(logits[0, :prompt_length])]
         cache = insert_slot(cache, single, slot)
     position = np.array(prompt_lengths)
     while any(position[s] < len(seq) for s, seq in enumerate(sequences)):
@@ -53,16 +57,19 @@ def test_decode_rows_equal_forward_rows(tiny_config, variant):
     config = tiny_config.replace(num_mtp_layers=0, **variant)
     params = perturbed_params(config, 3)
     rng = np.random.default_rng(4)
-    sequences = [rng.integers(0, config.vocab_size, length).tolist() for length in (21, 14, 17)]
+    # Three sequences of different lengths, cut from rows of one [3, 21] batch: a causal forward
+    # of the whole batch gives each prefix's rows in one compilation.
+    lengths = (21, 14, 17)
+    rows = rng.integers(0, config.vocab_size, (len(lengths), max(lengths)))
+    sequences = [row[:length].tolist() for row, length in zip(rows, lengths, strict=True)]
     prompt_lengths = [12, 3, 9]
     decoded = decode_logits(config, params, sequences, prompt_lengths)
-    for slot, sequence in enumerate(sequences):
-        outputs = glm5_jax.apply_model(config, params, np.asarray(sequence)[None],
-                                       collect_intermediates=True)
-        gaps = [float(np.min(v)) for _, v in sown_values(outputs["intermediates"], "selection_gap")]
-        assert min(gaps) > 1e-5, f"top-k boundary tie (gap {min(gaps):.3g}); choose another seed"
-        np.testing.assert_allclose(decoded[slot], np.asarray(outputs["logits"][0]), atol=1e-4,
-                                   rtol=1e-4)
+    outputs = glm5_jax.apply_model(config, params, rows, collect_intermediates=True)
+    gaps = [float(np.min(v)) for _, v in sown_values(outputs["intermediates"], "selection_gap")]
+    assert min(gaps) > 1e-5, f"top-k boundary tie (gap {min(gaps):.3g}); choose another seed"
+    for slot, length in enumerate(lengths):
+        np.testing.assert_allclose(decoded[slot], np.asarray(outputs["logits"][slot, :length]),
+                                   atol=1e-4, rtol=1e-4)
 
 
 def test_cache_holds_latents_not_per_head_keys(tiny_config):

@@ -7,13 +7,15 @@ import asyncio
 
 import numpy as np
 import pytest
-from reference import perturbed_params
+from reference import greedy_chain, perturbed_params
 
-import glm5_jax
 from glm5_jax.serve.engine import Engine
 from glm5_jax.serve.observer import EngineObserver
 from glm5_jax.serve.paged_cache import page_hashes
 from glm5_jax.serve.types import InvalidRequestError, SamplingParams
+
+# One xdist worker runs this module, so its fixtures (compiled engines) are built once.
+pytestmark = pytest.mark.xdist_group("engine")
 
 MAX_CONTEXT = 48
 
@@ -32,17 +34,6 @@ def engine(model):
     engine.shutdown()
 
 
-def greedy_reference(config, params, prompt, max_tokens):
-    """The argmax chain of the full forward (no cache), stopping at EOS."""
-    sequence = list(prompt)
-    for _ in range(max_tokens):
-        token = int(np.argmax(np.asarray(glm5_jax.forward(config, params, np.asarray([sequence])))[0, -1]))
-        sequence.append(token)
-        if token in config.eos_token_ids:
-            break
-    return sequence[len(prompt):]
-
-
 async def collect(engine, prompt, params):
     events = [event async for event in engine.submit(prompt, params)]
     return [e.token_id for e in events if e.token_id is not None], events[-1].finish_reason
@@ -59,7 +50,7 @@ def test_greedy_matches_forward_with_concurrent_requests(model, engine):
 
     results = asyncio.run(run_all())
     for prompt, (tokens, reason) in zip(prompts, results, strict=True):
-        expected = greedy_reference(config, params, prompt, 10)
+        expected = greedy_chain(config, params, prompt, 10, length=MAX_CONTEXT)
         assert tokens == expected
         assert reason == ("stop" if expected[-1] in config.eos_token_ids else "length")
 
@@ -141,7 +132,7 @@ def test_sliding_window_layers_on_the_ring_cache(model):
     finally:
         engine.shutdown()
     for prompt, (tokens, _) in zip(prompts, results, strict=True):
-        assert tokens == greedy_reference(config, params, prompt, 6)
+        assert tokens == greedy_chain(config, params, prompt, 6, length=32)
 
 
 class Recorder(EngineObserver):

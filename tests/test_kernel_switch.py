@@ -9,8 +9,8 @@ the two score computations could legitimately pick different keys.
 import jax
 import jax.numpy as jnp
 import numpy as np
+from reference import random_params
 
-import glm5_jax
 from glm5_jax.model.transformer import apply_model, sown_values
 
 TOL = 2e-4
@@ -71,5 +71,5 @@ def test_pallas_switches_equal_reference_on_a_mixed_stack(tiny_config):
     runs the fused indexer and sparse attention, the sliding layer flash attention (lax.cond)."""
     config = tiny_config.replace(num_layers=2, num_dense_layers=0, num_mtp_layers=0, sliding_window=4,
                                  attention_types=("dsa", "sliding_window"), indexer_types=("full", "full"))
-    params = glm5_jax.init_params(config, 0)
+    params = random_params(config, 0)
     _check_switch(config, params, _inputs(config), attention_impl="pallas", indexer_impl="pallas")

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import random_params
 
 import glm5_jax
 from kernels_pallas.common import CUSTOM_CALL_MARKERS, lower_as_text
@@ -164,7 +165,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_tiny_model_pallas_equals_blocked(tiny_config):
     # Without the MTP head (its MoE layer is the same code) to halve the compile time.
     tiny_config = tiny_config.replace(num_mtp_layers=0)
-    params = glm5_jax.init_params(tiny_config, 0)
+    params = random_params(tiny_config, 0)
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, tiny_config.vocab_size)
     targets = jnp.roll(ids, -1, axis=1)
 

@@ -21,6 +21,9 @@ from glm5_jax.serve.server_config import (
     parse_server_config,
 )
 
+# One xdist worker runs this module, so its fixtures (a served fake engine) are built once.
+pytestmark = pytest.mark.xdist_group("limits")
+
 TOKENIZER = make_tokenizer()
 MODEL = "glm5-test"
 

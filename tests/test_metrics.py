@@ -14,6 +14,9 @@ from glm5_jax.serve.api import create_app
 from glm5_jax.serve.metrics import ServerMetrics
 from glm5_jax.serve.server_config import parse_server_config
 
+# One xdist worker runs this module, so its fixtures (a served fake engine) are built once.
+pytestmark = pytest.mark.xdist_group("metrics")
+
 TOKENIZER = make_tokenizer()
 MODEL = "glm5-test"
 SHARED = "The quick brown fox jumps over the lazy dog. "  # 11 tokens: two whole 4-token pages

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import random_params
 
 import glm5_jax
 from glm5_jax.config_files import load_model_config
@@ -17,6 +18,9 @@ from glm5_jax.model.moe import (
     routed_experts_dense,
     routed_experts_ragged,
 )
+
+# One xdist worker runs this module, so its fixtures (initialised params) are built once.
+pytestmark = pytest.mark.xdist_group("model")
 
 
 def closed_form_glm5_counts():
@@ -57,7 +61,7 @@ def test_count_params_glm5_2_drops_shared_indexers():
 
 @pytest.fixture(scope="module")
 def tiny_params(tiny_config):
-    return glm5_jax.init_params(tiny_config, 0)
+    return random_params(tiny_config, 0)  # init_params itself runs in every train.py test
 
 
 def test_forward_jits_and_returns_float32(tiny_config, tiny_params):

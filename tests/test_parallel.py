@@ -1,5 +1,9 @@
-"""Distributed training: mesh validation, sharding rules, and (in one subprocess with 8 fake CPU
-devices) loss and gradients on data/fsdp/tensor/expert/pipeline meshes equal to one device."""
+"""Distributed training: mesh validation, sharding rules, and (in subprocesses with 8 fake CPU
+devices) loss and gradients on data/fsdp/tensor/expert/pipeline meshes equal to one device.
+
+The mesh checks run in two subprocesses, the plain meshes and the variants, each in its own xdist
+group so the two can run on different workers at once; every test of one group reads the same
+subprocess's results."""
 
 import json
 import os
@@ -21,16 +25,30 @@ VARIANTS = ["data=2,expert=4@cf=1", "fsdp=2,tensor=2,expert=2@step", "data=2,exp
 RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def mesh_results():
+MESH_GROUP = pytest.mark.xdist_group("parallel_meshes")
+VARIANT_GROUP = pytest.mark.xdist_group("parallel_variants")
+
+
+def run_checks(meshes):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "parallel_checks.py"), *MESHES, *VARIANTS],
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "parallel_checks.py"), *meshes],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=1500)
     assert run.returncode == 0, run.stderr[-4000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     return {(r["mesh"], r["variant"]): r for r in results}
 
 
+@pytest.fixture(scope="module")
+def mesh_results():
+    return run_checks(MESHES)
+
+
+@pytest.fixture(scope="module")
+def variant_results():
+    return run_checks(VARIANTS)
+
+
+@MESH_GROUP
 @pytest.mark.parametrize("mesh", MESHES)
 def test_loss_and_gradients_equal_single_device(mesh_results, mesh):
     result = mesh_results[(mesh, "")]
@@ -39,6 +57,7 @@ def test_loss_and_gradients_equal_single_device(mesh_results, mesh):
     assert result["dropped"] == 0.0  # dropless by default
 
 
+@MESH_GROUP
 @pytest.mark.parametrize("mesh", MESHES)
 def test_compiled_program_holds_the_expected_collectives(mesh_results, mesh):
     result = mesh_results[(mesh, "")]
@@ -50,27 +69,31 @@ def test_compiled_program_holds_the_expected_collectives(mesh_results, mesh):
         assert result["collective_permute"]  # stages pass activations
 
 
-def test_capacity_factor_drops_and_reports_tokens(mesh_results):
-    result = mesh_results[("data=2,expert=4", "cf=1")]
+@VARIANT_GROUP
+def test_capacity_factor_drops_and_reports_tokens(variant_results):
+    result = variant_results[("data=2,expert=4", "cf=1")]
     assert 0 < result["dropped"] < result["copies"]
     assert result["loss_rel"] > 0  # dropped copies change the output
 
 
-def test_pallas_kernels_run_per_device_and_match(mesh_results):
-    result = mesh_results[("fsdp=2,tensor=2,expert=2", "pallas")]
+@VARIANT_GROUP
+def test_pallas_kernels_run_per_device_and_match(variant_results):
+    result = variant_results[("fsdp=2,tensor=2,expert=2", "pallas")]
     # A kernel sees its device's rows (batch 8 over fsdp x expert = 4) and heads (4 over tensor = 2).
     assert result["local_shape"] == [2, 3, 2, 2]
     assert result["loss_rel"] < RTOL and result["grad_rel"] < RTOL  # vs the same kernels on one device
     assert result["reference_loss_rel"] < 1e-4  # and the kernels agree with the jnp reference
 
 
-def test_ragged_dispatch_lowers_to_ragged_all_to_all(mesh_results):
+@VARIANT_GROUP
+def test_ragged_dispatch_lowers_to_ragged_all_to_all(variant_results):
     # Forward: tokens out and results back (rows + expert ids each way); backward: the transposes.
-    assert mesh_results[("data=2,expert=4", "ragged")]["ragged_all_to_all"] >= 4
+    assert variant_results[("data=2,expert=4", "ragged")]["ragged_all_to_all"] >= 4
 
 
-def test_sharded_train_step_keeps_shardings_and_matches(mesh_results):
-    result = mesh_results[("fsdp=2,tensor=2,expert=2", "step")]
+@VARIANT_GROUP
+def test_sharded_train_step_keeps_shardings_and_matches(variant_results):
+    result = variant_results[("fsdp=2,tensor=2,expert=2", "step")]
     assert result["step"] == 1 and result["shardings_kept"]
     assert result["loss_rel"] < RTOL and result["grad_norm_rel"] < RTOL
 

@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from reference import random_params
 
 from glm5_jax.config_files import load_model_config
 from glm5_jax.model import forward
 from glm5_jax.model.decode import decode_step, init_cache
 from glm5_jax.model.layers import declare_weight
-from glm5_jax.model.transformer import param_shapes
 from glm5_jax.quant import (
     FORMATS,
     MODULE_CLASSES,
@@ -219,28 +219,13 @@ def test_recipe_errors_name_the_problem(tmp_path):
 
 # --- the model with quantized params ---------------------------------------------------------
 
-def _random_params(config):
-    """Normal(0, 0.1) weights, unit norm scales, zero biases (as init_params, without compiling it)."""
-    rng = np.random.default_rng(0)
-
-    def make(path, shape):
-        name = jax.tree_util.keystr(path)
-        if "norm" in name and "bias" not in name:
-            return jnp.ones(shape.shape, shape.dtype)
-        if "bias" in name:
-            return jnp.zeros(shape.shape, shape.dtype)
-        return jnp.asarray(rng.normal(0, 0.1, shape.shape), shape.dtype)
-
-    return jax.tree_util.tree_map_with_path(make, param_shapes(config))
-
-
 @pytest.fixture(scope="module")
 def tiny():
     """Tiny config (one dense, one MoE layer) where the forward is continuous in the weights (DSA
     keeps every key, every expert is chosen), so a small weight error gives a small logit error."""
     config = load_model_config("configs/tiny.py", index_topk=64, num_experts_per_token=8,
                                num_layers=2, num_mtp_layers=0)
-    params = _random_params(config)
+    params = random_params(config, 0)
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size)
     return config, params, ids, forward(config, params, ids)
 

@@ -34,6 +34,9 @@ from glm5_jax.quant import (
 )
 from glm5_jax.runs import load_any
 
+# One xdist worker runs this module, so its fixtures (written checkpoints) are built once.
+pytestmark = pytest.mark.xdist_group("quant_checkpoint")
+
 SINGLE = "model.safetensors"
 
 

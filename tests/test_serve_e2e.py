@@ -10,14 +10,16 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from reference import perturbed_params
+from reference import greedy_chain, perturbed_params
 
 import glm5_jax
 from glm5_jax.data import train_bpe_tokenizer
+
+# One xdist worker runs this module, so its fixtures (a serve.py subprocess) are built once.
+pytestmark = pytest.mark.xdist_group("serve_e2e")
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n    y: int = 0\n",
@@ -64,23 +66,13 @@ def server(checkpoint, tmp_path_factory):
     process.wait(timeout=60)
 
 
-def greedy_ids(config, params, prompt, count):
-    sequence = list(prompt)
-    for _ in range(count):
-        logits = np.asarray(glm5_jax.forward(config, params, np.asarray([sequence])))
-        sequence.append(int(np.argmax(logits[0, -1])))
-        if sequence[-1] in config.eos_token_ids:
-            break
-    return sequence[len(prompt):]
-
-
 def test_completion_equals_forward_argmax(server, checkpoint):
     port, model_id = server
     _, config, params, tokenizer = checkpoint
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="secret", max_retries=0)
     assert [m.id for m in client.models.list().data] == [model_id, "glm-5"]  # the canonical id first
     prompt = "def add(a, b):"
-    expected = greedy_ids(config, params, tokenizer.encode(prompt).ids, 12)
+    expected = greedy_chain(config, params, tokenizer.encode(prompt).ids, 12)
     expected_text = tokenizer.decode([t for t in expected if t not in config.eos_token_ids])
     response = client.completions.create(model=model_id, prompt=prompt, max_tokens=12, temperature=0)
     assert response.choices[0].text == expected_text

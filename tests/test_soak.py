@@ -16,18 +16,19 @@ import random
 from pathlib import Path
 
 import httpx
-import jax
-import numpy as np
 import openai
 import pytest
 from fake_engine import running
 from prometheus_client.parser import text_string_to_metric_families
+from reference import random_params
 
 from glm5_jax.data import train_bpe_tokenizer
-from glm5_jax.model.transformer import param_shapes
 from glm5_jax.serve.api import create_app
 from glm5_jax.serve.engine import Engine
 from glm5_jax.serve.metrics import ServerMetrics
+
+# One xdist worker runs this module, so its fixtures (a served engine) are built once.
+pytestmark = pytest.mark.xdist_group("soak")
 
 MODEL = "soak"
 REQUESTS = 1000
@@ -60,22 +61,6 @@ def scrape(url: str) -> dict[str, float]:
         return f"{sample.name}{{{labels}}}" if labels else sample.name
 
     return {key(s): s.value for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def random_params(config, seed: int):
-    """Random weights drawn with numpy from the parameter shapes (norm scales 1, biases 0): tracing
-    the shapes takes a second where compiling init_params takes tens on a loaded 2-core CI machine."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, shape):
-        name = str(path[-1].key)
-        if name.endswith("bias"):
-            return np.zeros(shape.shape, shape.dtype)
-        if "norm" in name or name == "scale":
-            return np.ones(shape.shape, shape.dtype)
-        return (0.1 * rng.standard_normal(shape.shape)).astype(shape.dtype)
-
-    return jax.tree_util.tree_map_with_path(leaf, param_shapes(config))
 
 
 @pytest.fixture(scope="module")

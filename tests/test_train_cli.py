@@ -65,6 +65,7 @@ def uninterrupted(tmp_path_factory, data_glob):
     return workdir
 
 
+@pytest.mark.xdist_group("train_cli_run")  # shares the uninterrupted run
 def test_exact_resume_after_sigkill_and_sigterm(tmp_path, data_glob, uninterrupted):
     workdir = tmp_path / "run"
     # 1. SIGKILL once step 6 is logged: checkpoint 4 is complete, steps 5-6 are lost.
@@ -93,6 +94,7 @@ def test_exact_resume_after_sigkill_and_sigterm(tmp_path, data_glob, uninterrupt
     assert got == expected
 
 
+@pytest.mark.xdist_group("train_cli_run")
 def test_generate_and_export_from_the_run(uninterrupted, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "glm5_jax.generate", "--checkpoint", str(uninterrupted),

@@ -1,10 +1,13 @@
 """The train step: loss decreases, accumulation and remat do not change the math, the NaN
 guard skips bad updates, router balancing and weight-decay masks behave."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import random_params
 
 import glm5_jax
 from glm5_jax.train.loss import shifted_targets
@@ -27,57 +30,67 @@ def small(tiny_config):
     return config, batch_of(rng.integers(0, 16, (4, 24)))
 
 
-def run_steps(config, settings, batch, steps):
+# One settings object for every step below, so tests that differ only in inputs share one compiled
+# program (the persistent compilation cache of tests/conftest.py serves the repeats).
+PLAIN = TrainSettings(num_train_steps=20, batch_size=4, warmup_steps=0)
+
+
+def run_steps(config, settings, batch, steps, snapshot_at=None):
+    """Runs `steps` steps from random params; returns (state, losses, last metrics), where state
+    is the state after `snapshot_at` steps (default: the end) as numpy arrays."""
     optimizer = make_optimizer(settings)
-    state = init_train_state(glm5_jax.init_params(config, 0), optimizer)
+    state = init_train_state(random_params(config, 0), optimizer)
     step = make_train_step(config, settings, optimizer)
-    losses = []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
+    losses, snapshot = [], None
+    for index in range(steps):
+        state, metrics = step(state, batch)  # donates the previous state
         losses.append(float(metrics["loss"]))
-    return state, losses, metrics
+        if index + 1 == (snapshot_at or steps):
+            snapshot = jax.tree.map(np.asarray, state)
+    return snapshot, losses, metrics
 
 
-def test_loss_decreases(small):
+@pytest.fixture(scope="module")
+def plain_run(small):
+    """20 steps without accumulation or remat; state after 2 steps: the equivalence baseline."""
     config, batch = small
-    settings = TrainSettings(num_train_steps=20, batch_size=4, warmup_steps=2)
-    _, losses, metrics = run_steps(config, settings, batch, 20)
+    return run_steps(config, PLAIN, batch, 20, snapshot_at=2)
+
+
+def test_loss_decreases(small, plain_run):
+    config, _ = small
+    _, losses, metrics = plain_run
     assert losses[-1] < 0.6 * losses[0], losses
     assert metrics["expert_load/moe_layers"].shape == (1, config.num_experts)
     assert metrics["expert_load/moe_layers"].sum() == 4 * 24 * config.num_experts_per_token
 
 
-def test_gradient_accumulation_matches_one_big_batch(small):
+def test_gradient_accumulation_matches_one_big_batch(small, plain_run):
     config, batch = small
-    results = [run_steps(config, TrainSettings(batch_size=4, grad_accum_steps=accum,
-                                               warmup_steps=0), batch, 2)
-               for accum in (1, 2)]
-    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
+    accumulated = run_steps(config, dataclasses.replace(PLAIN, grad_accum_steps=2), batch, 2)
+    np.testing.assert_allclose(plain_run[1][:2], accumulated[1], rtol=1e-5)
     # Adam divides by sqrt(v): float32 rounding in near-zero gradients shows up at ~1e-6.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5),
-                 results[0][0].params, results[1][0].params)
+                 plain_run[0].params, accumulated[0].params)
 
 
 @pytest.mark.parametrize("policy", ["full", "save_matmuls"])
-def test_remat_policies_do_not_change_gradients(small, policy):
+def test_remat_policies_do_not_change_gradients(small, plain_run, policy):
     config, batch = small
-    settings = TrainSettings(batch_size=4, warmup_steps=0)
-    base = run_steps(config, settings, batch, 2)
-    remat = run_steps(config.replace(remat=policy), settings, batch, 2)
-    np.testing.assert_allclose(base[1], remat[1], rtol=1e-6)
+    remat = run_steps(config.replace(remat=policy), PLAIN, batch, 2)
+    np.testing.assert_allclose(plain_run[1][:2], remat[1], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-                 base[0].params, remat[0].params)
+                 plain_run[0].params, remat[0].params)
 
 
 def test_non_finite_step_is_skipped(small):
     config, batch = small
-    settings = TrainSettings(batch_size=4)
-    optimizer = make_optimizer(settings)
-    params = glm5_jax.init_params(config, 0)
+    optimizer = make_optimizer(PLAIN)  # the program of plain_run: only the inputs differ
+    params = random_params(config, 0)
     params["lm_head"] = params["lm_head"].at[0, 0].set(jnp.nan)
     state = init_train_state(params, optimizer)
     before = jax.tree.map(np.asarray, state.params)
-    state, metrics = make_train_step(config, settings, optimizer)(state, batch)
+    state, metrics = make_train_step(config, PLAIN, optimizer)(state, batch)
     assert not bool(metrics["finite"]) and int(state.step) == 1
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), before,
                  jax.tree.map(np.asarray, state.params))
@@ -96,12 +109,13 @@ def test_router_bias_moves_toward_balance():
 def test_weight_decay_skips_norms_and_biases_and_optimizer_skips_router_bias(tiny_config):
     settings = TrainSettings(learning_rate=0.1, warmup_steps=0, weight_decay=0.5)
     optimizer = make_optimizer(settings)
-    params = glm5_jax.init_params(tiny_config, 0)
+    params = random_params(tiny_config, 0)
     params["moe_layers"]["moe"]["router_bias"] += 1.0
     zero_grads = jax.tree.map(jnp.zeros_like, params)
     state = optimizer.init(params)
+    update = jax.jit(optimizer.update)  # one compilation, not one per eager op of the update
     for _ in range(2):  # the schedule starts at 0 on step 0
-        updates, state = optimizer.update(zero_grads, state, params)
+        updates, state = update(zero_grads, state, params)
     assert np.all(np.asarray(updates["final_norm"]["scale"]) == 0)
     assert np.all(np.asarray(updates["moe_layers"]["attention"]["indexer"]["k_norm_bias"]) == 0)
     assert np.all(np.asarray(updates["moe_layers"]["moe"]["router_bias"]) == 0)
