@@ -98,7 +98,7 @@ def test_exact_resume_after_sigkill_and_sigterm(tmp_path, data_glob, uninterrupt
 def test_generate_and_export_from_the_run(uninterrupted, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "glm5_jax.generate", "--checkpoint", str(uninterrupted),
-         "--prompt", "def ", "--max-new-tokens", "8", "--seed", "1"],
+         "--prompt", "def ", "--max-new-tokens", "4", "--seed", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def ")

@@ -30,6 +30,9 @@ def small(tiny_config):
     return config, batch_of(rng.integers(0, 16, (4, 24)))
 
 
+# One xdist worker runs this module, so the 20-step baseline (plain_run) is computed once.
+pytestmark = pytest.mark.xdist_group("train_step")
+
 # One settings object for every step below, so tests that differ only in inputs share one compiled
 # program (the persistent compilation cache of tests/conftest.py serves the repeats).
 PLAIN = TrainSettings(num_train_steps=20, batch_size=4, warmup_steps=0)
