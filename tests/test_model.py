@@ -213,7 +213,7 @@ def test_expert_paths_have_equal_gradients():
 
     def grads(routed):
         loss = lambda *args: jnp.sum(jnp.sin(routed(args[0], args[1], chosen, *args[2:])))  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, weights, gate, up, down)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, weights, gate, up, down)
 
     expected = grads(routed_experts_dense)
     for routed in (routed_experts_ragged, functools.partial(routed_experts_blocked, block_rows=4)):

@@ -5,16 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from glm5_jax.serve import sampling
 from glm5_jax.serve.sampling import (
     SamplingState,
-    apply_penalties,
-    filter_logits,
     init_sampling_state,
     make_keys,
     sample,
     set_slot,
 )
 from glm5_jax.serve.types import InvalidRequestError, SamplingParams
+
+# Jitted here (the engine calls them inside its jitted step): eagerly, every op compiles alone.
+apply_penalties = jax.jit(sampling.apply_penalties)
+filter_logits = jax.jit(sampling.filter_logits)
 
 N_DRAWS = 4000  # slots in the statistical tests: one vectorised call = N_DRAWS draws
 V_SMALL = 4
