@@ -21,7 +21,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests run tiny programs once or a few times: LLVM's optimisation passes cost more than they
 # save. Without them XLA:CPU compiles about twice as fast (a tiny train step: 21 s -> 11 s, the
-# same loss; no fast-math either way); execution is ~3x slower, which these shapes never notice. Inherited by every subprocess a test starts.
+# same loss; no fast-math either way); execution is ~3x slower, which these shapes never notice.
+# Inherited by every subprocess a test starts.
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
