@@ -8,8 +8,9 @@ The checkpoint is an HF-layout directory (config.json, safetensors, tokenizer.js
 a chat template) or a train.py run directory (checkpoints/, tokenizer.json). Any OpenAI client
 works: point its base_url at http://HOST:PORT/v1 and use the served model id (by default the
 checkpoint directory's name) or one of its aliases. `--server-config FILE` (configs/serve_example.py)
-gives aliases, API keys and per-key rate limits; /metrics serves Prometheus metrics. See
-docs/serving.md.
+gives aliases, API keys and per-key rate limits; /metrics serves Prometheus metrics. If the engine
+fails for good (engine.failure is set), the server stops and the process exits with status 1, so
+that a supervisor (systemd, Kubernetes) restarts it. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from pathlib import Path
 
 DEFAULT_RUN = Path("runs/demo")
+WAITING_PER_SLOT = 8  # --max-waiting's default, per --max-slots
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,6 +41,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "unset means no key)")
     parser.add_argument("--max-slots", type=int, default=8,
                         help="requests decoded together in one batch; more wait in a queue (default: 8)")
+    parser.add_argument("--max-waiting", type=int, default=None,
+                        help="most requests waiting for a slot; more are refused with 503 and Retry-After "
+                             f"(default: {WAITING_PER_SLOT} x --max-slots; 0 = unbounded)")
+    parser.add_argument("--max-body-bytes", type=int, default=None,
+                        help="larger request bodies are refused with 413 (default: 4 MiB)")
     parser.add_argument("--max-context", type=int, default=1024,
                         help="most tokens (prompt + output) of one request (default: 1024)")
     parser.add_argument("--server-config", default=None,
@@ -70,9 +78,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--max-context must be >= 2, got {args.max_context}")
     for flag, value, least in (("--page-size", args.page_size, 1), ("--num-pages", args.num_pages, 1),
                                ("--token-budget", args.token_budget, 1),
-                               ("--host-cache-pages", args.host_cache_pages, 0)):
+                               ("--host-cache-pages", args.host_cache_pages, 0),
+                               ("--max-waiting", args.max_waiting, 0),
+                               ("--max-body-bytes", args.max_body_bytes, 1)):
         if value is not None and value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
+    if args.max_waiting is None:
+        args.max_waiting = WAITING_PER_SLOT * args.max_slots
     return args
 
 
@@ -102,7 +114,27 @@ def resolve_checkpoint(checkpoint: str | None) -> Path:
              "model first with `python train.py --config configs/demo.py`, or pass --checkpoint DIR")
 
 
-def main(argv=None) -> None:
+def serve_until_failure(server, engine, poll_seconds: float = 0.5) -> str | None:
+    """Runs the uvicorn `server` until it stops, stopping it (gracefully) once engine.failure is set;
+    returns that failure (None: the server stopped for another reason, e.g. Ctrl-C)."""
+    stopped = threading.Event()
+
+    def watch():  # a thread, so that server.run() keeps uvicorn's own choice of event loop
+        while not stopped.wait(poll_seconds):
+            if engine.failure is not None:
+                server.should_exit = True  # uvicorn's main loop checks it every 0.1 s
+                return
+
+    threading.Thread(target=watch, name="engine-failure-watch", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        stopped.set()
+    return engine.failure
+
+
+def main(argv=None) -> int:
+    """Serves until stopped: 0 after Ctrl-C / SIGTERM, 1 when the engine failed."""
     args = parse_args(argv)
     checkpoint = resolve_checkpoint(args.checkpoint)
     server_config = read_server_config(args.server_config)  # before the slow model load
@@ -110,7 +142,7 @@ def main(argv=None) -> None:
     import uvicorn
 
     from glm5_jax.runs import RunNotFoundError, load_any
-    from glm5_jax.serve.api import create_app
+    from glm5_jax.serve.api import DEFAULT_MAX_BODY_BYTES, create_app
     from glm5_jax.serve.chat import load_chat_template, load_special_tokens
     from glm5_jax.serve.engine import Engine, warm_up
     from glm5_jax.serve.metrics import ServerMetrics
@@ -128,25 +160,31 @@ def main(argv=None) -> None:
     engine = Engine(config, params, tokenizer, max_slots=args.max_slots, max_context=args.max_context,
                     page_size=args.page_size, num_pages=args.num_pages, token_budget=args.token_budget,
                     prefix_caching=args.prefix_caching, host_cache_pages=args.host_cache_pages,
-                    observer=metrics)
+                    max_waiting=args.max_waiting or None, observer=metrics)
     app = create_app(engine, model_id, api_key=args.api_key, chat_template=load_chat_template(checkpoint),
                      special_tokens=load_special_tokens(checkpoint), server_config=server_config,
-                     metrics=metrics)
+                     metrics=metrics, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     print("compiling the engine step...", flush=True)
     warm_up(engine)
     aliases = f" (aliases: {', '.join(server_config.model_aliases)})" if server_config.model_aliases else ""
     print(f"serving {model_id!r}{aliases} from {checkpoint} at http://{args.host}:{args.port}/v1 "
           f"(max_context {engine.max_context}, {args.max_slots} slots, metrics at /metrics)", flush=True)
+    # A short graceful shutdown: open streams are then cancelled, which frees their engine slots.
+    # No lifespan: the app has no startup work, and the engine is shut down here.
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           lifespan="off", timeout_graceful_shutdown=5))
+    failure = None
     try:
-        # A short graceful shutdown: open streams are then cancelled, which frees their engine slots.
-        # No lifespan: the app has no startup work, and the engine is shut down here.
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
-                    timeout_graceful_shutdown=5)
+        failure = serve_until_failure(server, engine)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its own clean shutdown
         pass
     finally:
         engine.shutdown()
+    if failure is not None:
+        print(f"error: the engine failed and cannot go on: {failure}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

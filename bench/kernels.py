@@ -27,7 +27,8 @@ import numpy as np  # noqa: E402
 from kernels_pallas.common import PEAKS  # noqa: E402
 
 # Kernel modules in the order they are reported; missing ones are skipped with a note.
-MODULES = ("flash_attention", "sparse_attention", "dsa_indexer", "mla_decode", "moe_grouped_matmul")
+MODULES = ("flash_attention", "sparse_attention", "dsa_indexer", "mla_decode", "ragged_paged_attention",
+           "moe_grouped_matmul")
 
 
 # ----------------------------------------------------------------------------- cases

@@ -1,5 +1,5 @@
-"""Sample text from a train.py run or an HF checkpoint directory (a simple jitted loop; the
-serving engine with a KV cache is serve.py's job).
+"""Sample text from a train.py run or an HF checkpoint directory, through the serving engine's
+cached path (paged latent cache, one prefill then cached decode steps: linear in the length).
 
     python -m glm5_jax.generate --checkpoint runs/demo --prompt "def fibonacci(n):"
     python -m glm5_jax.generate --checkpoint runs/demo --quantize mixed --prompt "def fibonacci(n):"
@@ -8,56 +8,40 @@ serving engine with a KV cache is serve.py's job).
 from __future__ import annotations
 
 import argparse
-import functools
+import asyncio
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from absl import logging
 
-from glm5_jax.model import ModelConfig, forward
+from glm5_jax.model import ModelConfig
 from glm5_jax.runs import load_any
-
-
-@functools.partial(jax.jit, static_argnames=("config", "prompt_length", "total_length", "top_k"))
-def _sample_loop(config: ModelConfig, params, tokens, rng, temperature, *, prompt_length: int,
-                 total_length: int, top_k: int):
-    """Fills tokens[:, prompt_length:total_length] one position at a time. tokens: [1, L]."""
-
-    def body(position, carry):
-        tokens, rng = carry
-        logits = forward(config, params, tokens)[0, position - 1]  # [V]
-        if top_k > 0:
-            cutoff = jax.lax.top_k(logits, top_k)[0][-1]
-            logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-        rng, key = jax.random.split(rng)
-        sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
-        chosen = jnp.where(temperature > 0, sampled, jnp.argmax(logits))
-        return tokens.at[0, position].set(chosen.astype(tokens.dtype)), rng
-
-    tokens, _ = jax.lax.fori_loop(prompt_length, total_length, body, (tokens, rng))
-    return tokens
+from glm5_jax.serve.engine import Engine
+from glm5_jax.serve.types import SamplingParams
 
 
 def generate_ids(config: ModelConfig, params, prompt_ids: list[int], max_new_tokens: int,
-                 temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> list[int]:
-    """Prompt ids -> new ids (stopping at the first EOS id of the config). temperature 0: greedy."""
+                 temperature: float = 0.8, top_k: int = 40, seed: int = 0, options=None) -> list[int]:
+    """Prompt ids -> new ids (stopping at an EOS id of the config, which is left out).
+    temperature 0: greedy. Runs one request on a one-slot engine sized to the request."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     total = len(prompt_ids) + max_new_tokens
     if total > config.max_position_embeddings:
         raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_position_embeddings "
                          f"{config.max_position_embeddings}")
-    buffer = np.zeros((1, total), np.int32)
-    buffer[0, : len(prompt_ids)] = prompt_ids
-    tokens = _sample_loop(config, params, jnp.asarray(buffer), jax.random.key(seed),
-                          jnp.float32(temperature), prompt_length=len(prompt_ids),
-                          total_length=total, top_k=top_k)
-    new_ids = np.asarray(tokens[0, len(prompt_ids):]).tolist()
-    for index, token in enumerate(new_ids):
-        if token in config.eos_token_ids:
-            return new_ids[:index]
-    return new_ids
+    engine = Engine(config, params, None, max_slots=1, max_context=total + 1, seed=seed,
+                    token_budget=min(256, max(16, len(prompt_ids))), prefix_caching=False, options=options)
+    sampling = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+
+    async def run():
+        return [event async for event in engine.submit(list(prompt_ids), sampling)]
+
+    try:
+        events = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    if events[-1].finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"generation failed ({events[-1].finish_reason}): {events[-1].error}")
+    return [e.token_id for e in events if e.token_id is not None and e.token_id not in config.eos_token_ids]
 
 
 def main(argv=None):

@@ -1,4 +1,5 @@
-"""Plan a run ahead of time: compile the full train step (or a serving decode step) for a mesh of
+"""Plan a run ahead of time: compile the full train step (or the serving engine's paged decode step)
+for a mesh of
 fake CPU devices on abstract inputs (nothing is allocated) and report per-device memory.
 
     python -m glm5_jax.plan --config configs/glm5.py --mesh fsdp=16,expert=16 --devices 256 \\
@@ -32,6 +33,7 @@ def parse_args(argv):
     parser.add_argument("--seq_len", type=int, default=4096, help="train sequence length")
     parser.add_argument("--serve", action="store_true", help="plan the serving decode step instead")
     parser.add_argument("--context", type=int, default=32768, help="serve: cache length per sequence")
+    parser.add_argument("--page-size", type=int, default=64, help="serve: positions per cache page")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a model field, e.g. --set remat=full (repeatable)")
     parser.add_argument("--top", type=int, default=8, help="how many of the largest tensors to list")
@@ -206,43 +208,52 @@ def _plan_train(args, config, mesh, rules) -> list[str]:
 
 
 def _plan_serve(args, config, mesh, rules) -> list[str]:
+    """The step serve.py runs at steady state: one paged decode step of `batch` sequences whose
+    block tables cover `context` positions, on a page pool holding all of them."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from glm5_jax.model import decode
+    from glm5_jax.model.paged_decode import (
+        StepBatch,
+        init_paged_cache,
+        paged_cache_bytes_per_page,
+        paged_step,
+    )
     from glm5_jax.model.transformer import param_shapes
     from glm5_jax.parallel import sharding
 
     batch_rows = args.batch or mesh.size
+    page_size = args.page_size
+    block_pages = max(1, 128 // page_size)
+    table_width = -(-args.context // (page_size * block_pages)) * block_pages
+    num_pages = batch_rows * table_width
     params_sharding = sharding.param_shardings(config, mesh, rules)
     params_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                              param_shapes(config), params_sharding)
-    cache = jax.eval_shape(lambda: decode.init_cache(config, batch_rows, args.context))
+    cache = jax.eval_shape(lambda: init_paged_cache(config, num_pages, page_size))
     batch_axes = sharding.logical_sharding(mesh, rules, ("batch",)).spec[0]
-
-    def cache_sharding(leaf):
-        if leaf.ndim >= 2 and leaf.shape[1] == batch_rows:  # [L, S, M, F] groups
-            return NamedSharding(mesh, P(None, batch_axes))
-        if leaf.ndim >= 1 and leaf.shape[0] == batch_rows:  # [S, R] ring positions
-            return NamedSharding(mesh, P(batch_axes))
-        return NamedSharding(mesh, P())
-
-    cache_shardings = jax.tree.map(cache_sharding, cache)
+    # [L, P, page, F] pools: pages spread over the batch axes like the sequences that own them.
+    cache_shardings = jax.tree.map(lambda leaf: NamedSharding(mesh, P(None, batch_axes)), cache)
     cache_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             cache, cache_shardings)
-    tokens = jax.ShapeDtypeStruct((batch_rows, 1), jnp.int32, sharding=NamedSharding(mesh, P(batch_axes)))
+    rows = NamedSharding(mesh, P(batch_axes))
+    vector = jax.ShapeDtypeStruct((batch_rows,), jnp.int32, sharding=rows)
+    empty = jax.ShapeDtypeStruct((0, 0), jnp.int32, sharding=NamedSharding(mesh, P()))
+    tables = jax.ShapeDtypeStruct((batch_rows, table_width), jnp.int32, sharding=rows)
+    batch = StepBatch(vector, vector, empty, empty, tables)
     with sharding.activate(mesh, rules):
-        step = getattr(decode.decode_step, "__wrapped__", decode.decode_step)
-        compiled = jax.jit(step, static_argnums=0, donate_argnums=2).trace(
-            config, params_in, cache_in, tokens, tokens).lower().compile()
+        step = getattr(paged_step, "__wrapped__", paged_step)
+        compiled = jax.jit(step, static_argnums=0, static_argnames="block_pages", donate_argnums=2).trace(
+            config, params_in, cache_in, batch, vector, block_pages=block_pages).lower().compile()
     params_bytes = sharding.bytes_per_device(param_shapes(config), params_sharding)
     cache_bytes = sharding.bytes_per_device(cache, cache_shardings)
-    lines = [f"decode step: {batch_rows} sequences x 1 new token, cache of {args.context} tokens each "
-             f"({decode.cache_bytes_per_token(config) / 1024:.1f} KiB per token)"]
+    per_token = paged_cache_bytes_per_page(config, page_size) / page_size
+    lines = [f"paged decode step: {batch_rows} sequences x 1 new token, {args.context} cached positions each "
+             f"({num_pages} pages of {page_size}; {per_token / 1024:.1f} KiB per token)"]
     lines += _memory_lines(compiled, {f"params ({config.param_dtype})": params_bytes,
-                                      "latent cache": cache_bytes})
+                                      "latent page pool": cache_bytes})
     lines += ["", "largest parameters per device:"]
     for size, name, shape, dtype, spec in _largest(param_shapes(config), params_sharding, args.top):
         lines.append(f"  {_fmt(size)}  {name} {tuple(shape)} {dtype.name} -> {spec}")

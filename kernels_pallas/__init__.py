@@ -5,6 +5,7 @@
     dsa_indexer.py         DSA indexer scores fused with the top-k selection (radix select)
     sparse_attention.py    gathered top-k attention in absorbed-MLA form, forward and backward
     mla_decode.py          MLA attention over a paged latent cache (block table, optional top-k)
+    ragged_paged_attention.py  MLA attention of a ragged token batch (decode + prefill chunks) over pages
     moe_grouped_matmul.py  grouped matmul over expert-sorted rows, forward and backward
 
 The model selects them per op (ModelConfig.attention_impl, indexer_impl, decode_attention_impl,

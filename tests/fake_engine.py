@@ -7,6 +7,11 @@ after a small asyncio sleep so that clients can disconnect midway, and at most m
 run at once (the rest wait), like the real engine's batch slots. Every stream is recorded in
 `engine.streams` so tests can check cancellations.
 
+Failures follow the real engine's contract (glm5_jax/serve/types.py): with `fail_after` set, a
+request ends after that many tokens with a finish_reason "error" event (a failed model step);
+with `max_waiting` set, submit raises QueueFullError while that many requests wait for a slot;
+while `failure` is set (a test sets it), submit raises EngineUnavailableError.
+
 A toy prefix cache: a prompt's cached_tokens are its longest prefix of whole `page_size` pages that
 an earlier prompt also started with. The engine's observer hooks are called like the real engine's.
 """
@@ -25,7 +30,13 @@ import uvicorn
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from glm5_jax.serve.observer import EngineObserver
-from glm5_jax.serve.types import GenerationEvent, InvalidRequestError, SamplingParams
+from glm5_jax.serve.types import (
+    EngineUnavailableError,
+    GenerationEvent,
+    InvalidRequestError,
+    QueueFullError,
+    SamplingParams,
+)
 
 EOS = "<|endoftext|>"
 # The GLM-5 chat-format markers, special so that the fake's echo leaves them out, as a model would.
@@ -60,6 +71,7 @@ class FakeStream:
         self.prompt_ids = list(prompt_ids)
         self.prompt_tokens = len(prompt_ids)
         self.cancel_calls = 0
+        self.waiting = True  # submitted, not yet holding a slot
         self.finish_reason: str | None = None
         self.token_ids: list[int] = []
         self.cached_tokens = engine.lookup_prefix(self.prompt_ids)
@@ -71,6 +83,7 @@ class FakeStream:
 
     def cancel(self) -> None:
         self.cancel_calls += 1
+        self.waiting = False
 
     def _script(self):
         special = {self.engine.tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
@@ -82,29 +95,36 @@ class FakeStream:
     async def __aiter__(self):
         limit = min(self.params.max_tokens, self.engine.max_context - self.prompt_tokens)
         observer = self.engine.observer
-        async with self.engine.slots():
-            observer.on_admitted(self.request_id, time.monotonic() - self.submitted, self.cached_tokens)
-            script = self._script()
-            for step in range(limit):
-                if self.cancelled:
-                    break
-                await asyncio.sleep(self.engine.delay)
-                if self.cancelled:
-                    break
-                if step == self.engine.fail_after:
-                    raise RuntimeError("the fake device fell over")
-                token = next(script)
-                self.token_ids.append(token)
-                if step == 0:
-                    observer.on_first_token(self.request_id, time.monotonic() - self.submitted)
-                ends = token in self.params.stop_token_ids or (
-                    token in self.engine.eos_token_ids and not self.params.ignore_eos)
-                finish = "stop" if ends else ("length" if step == limit - 1 else None)
-                yield self._event(token, finish)
-                if finish:
-                    return
-            self._finished("abort")
-            yield GenerationEvent(token_id=None, finish_reason="abort", cached_tokens=self.cached_tokens)
+        try:
+            async with self.engine.slots():
+                self.waiting = False
+                observer.on_admitted(self.request_id, time.monotonic() - self.submitted, self.cached_tokens)
+                script = self._script()
+                for step in range(limit):
+                    if self.cancelled:
+                        break
+                    await asyncio.sleep(self.engine.delay)
+                    if self.cancelled:
+                        break
+                    if step == self.engine.fail_after:  # a failed model step: this request ends with "error"
+                        self._finished("error")
+                        yield GenerationEvent(token_id=None, finish_reason="error",
+                                              error="the fake step failed", cached_tokens=self.cached_tokens)
+                        return
+                    token = next(script)
+                    self.token_ids.append(token)
+                    if step == 0:
+                        observer.on_first_token(self.request_id, time.monotonic() - self.submitted)
+                    ends = token in self.params.stop_token_ids or (
+                        token in self.engine.eos_token_ids and not self.params.ignore_eos)
+                    finish = "stop" if ends else ("length" if step == limit - 1 else None)
+                    yield self._event(token, finish)
+                    if finish:
+                        return
+                self._finished("abort")
+                yield GenerationEvent(token_id=None, finish_reason="abort", cached_tokens=self.cached_tokens)
+        finally:
+            self.waiting = False  # also when cancelled before it got a slot
 
     def _finished(self, reason: str) -> None:
         self.finish_reason = reason
@@ -127,13 +147,15 @@ class FakeEngine:
 
     def __init__(self, tokenizer: tokenizers.Tokenizer | None = None, *, max_context: int = 128,
                  max_slots: int = 8, delay: float = 0.001, fail_after: int | None = None,
-                 page_size: int = 4, observer: EngineObserver | None = None):
+                 max_waiting: int | None = None, page_size: int = 4, observer: EngineObserver | None = None):
         self.tokenizer = tokenizer or make_tokenizer()
         self.max_context = max_context
         self.eos_token_ids = (self.tokenizer.token_to_id(EOS),)
         self.delay = delay
         self.max_slots = max_slots
-        self.fail_after = fail_after  # raise RuntimeError after this many tokens (an engine failure)
+        self.fail_after = fail_after  # end each request with "error" after this many tokens
+        self.max_waiting = max_waiting
+        self.failure: str | None = None  # the real engine's: set once it cannot go on
         self.streams: list[FakeStream] = []
         self._semaphore: asyncio.Semaphore | None = None
         self._ids = itertools.count()
@@ -170,6 +192,10 @@ class FakeEngine:
         if len(prompt_ids) >= self.max_context:
             raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; at most {self.max_context - 1}")
         params.validate()
+        if self.failure is not None:
+            raise EngineUnavailableError(self.failure)
+        if self.max_waiting is not None and sum(s.waiting for s in self.streams) >= self.max_waiting:
+            raise QueueFullError(f"{self.max_waiting} requests are already waiting", retry_after=0.4)
         request_id = f"fake-{next(self._ids)}"
         self.observer.on_queued(request_id, len(prompt_ids))
         stream = FakeStream(self, request_id, prompt_ids, params)

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import logging
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import uvicorn
 from fake_engine import FakeEngine, make_tokenizer, running
 
 from glm5_jax.serve.api import create_app
@@ -271,19 +275,94 @@ def test_api_key_required_when_set():
             assert good.completions.create(model=MODEL, prompt="hello").choices[0].text == "hello"
 
 
-def test_engine_failure_is_reported_and_the_server_survives():
-    metrics = ServerMetrics()
-    with running(create_app(FakeEngine(TOKENIZER, fail_after=1), MODEL, metrics=metrics)) as url:
+@pytest.fixture(scope="module")
+def strict():
+    """One server with small limits for the failure and overload checks: one slot, one waiting request,
+    1 KiB bodies, and 20 ms per token so that a request can hold the slot."""
+    engine, metrics = FakeEngine(TOKENIZER, max_slots=1, max_waiting=1, delay=0.02), ServerMetrics()
+    with running(create_app(engine, MODEL, metrics=metrics, max_body_bytes=1024)) as url:
+        yield url, engine, metrics
+
+
+def test_engine_failure_is_reported_and_the_server_survives(strict, monkeypatch, caplog):
+    url, engine, metrics = strict
+    caplog.set_level(logging.ERROR, logger="glm5_jax.serve")
+    engine.fail_after = 1  # each request's model step fails after one token: a finish_reason "error" event
+    try:
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "hello world"})  # no model: allowed
-        assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
-        assert "fell over" in response.json()["error"]["message"]
-        lines = httpx.post(f"{url}/v1/completions", json={"prompt": "hello world", "stream": True}).text
+        error = response.json()["error"]
+        assert response.status_code == 500 and error["type"] == "server_error"
+        assert error["message"].startswith("Internal server error (request cmpl-")
+        assert "fake" not in response.text  # the engine's reason is for the log only
+        lines = httpx.post(f"{url}/v1/completions", json={"prompt": "hello world", "stream": True,
+                                                           "stream_options": {"include_usage": True}}).text
         events = [line for line in lines.split("\n\n") if line]
-        assert '"server_error"' in events[-2] and events[-1] == "data: [DONE]"
-        assert httpx.get(f"{url}/v1/models").status_code == 200
-    counted = metrics.render().decode()  # the failure that escaped the app counts as a 500
+        assert '"text": "hello"' in events[0]  # the token made before the failure, then no usage chunk
+        assert len(events) == 3 and events[-1] == "data: [DONE]"
+        assert '"server_error"' in events[1] and "Internal server error (request cmpl-" in events[1]
+    finally:
+        engine.fail_after = None
+    assert caplog.text.count("failed in the engine") == 2
+
+    def broken_submit(*args):
+        raise RuntimeError("secret detail")
+
+    monkeypatch.setattr(engine, "submit", broken_submit)  # a bug: an unexpected exception
+    response = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert response.status_code == 500 and "secret" not in response.text
+    assert response.json()["error"]["message"].startswith("Internal server error (request chatcmpl-")
+    assert "RuntimeError: secret detail" in caplog.text  # the details are logged, with the traceback
+    monkeypatch.undo()
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hello"}).status_code == 200
+    counted = metrics.render().decode()
     assert 'glm5_requests_total{endpoint="/v1/completions",status="500"} 1.0' in counted
-    assert 'glm5_requests_total{endpoint="/v1/completions",status="200"} 1.0' in counted  # the stream
+    assert 'glm5_requests_total{endpoint="/v1/chat/completions",status="500"} 1.0' in counted
+    assert 'glm5_finished_requests_total{finish_reason="error"} 2.0' in counted
+
+    # The engine cannot go on: /health says so, requests get 503, and serve.py stops its server.
+    import serve
+
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=0,
+                                           lifespan="off", log_level="warning"))
+    threading.Timer(0.3, setattr, (engine, "failure", "device lost")).start()
+    try:
+        assert serve.serve_until_failure(server, engine, poll_seconds=0.05) == "device lost"
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503
+        assert health.json() == {"status": "unavailable", "reason": "device lost"}
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hello"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
+        assert "device lost" in refused.json()["error"]["message"]
+    finally:
+        engine.failure = None
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_overload_and_oversized_bodies_are_refused(strict):
+    url, engine, _ = strict
+    body = json.dumps({"prompt": "x" * 2000}).encode()
+    chunked = iter([body[:600], body[600:]])  # no Content-Length: counted while it arrives
+    for response in (httpx.post(f"{url}/v1/completions", content=body),
+                     httpx.post(f"{url}/v1/completions", content=chunked)):
+        error = response.json()["error"]
+        assert response.status_code == 413 and (error["type"], error["code"]) == (
+            "invalid_request_error", "request_too_large")
+        assert "1024 bytes" in error["message"]
+    small = httpx.post(f"{url}/v1/completions", content=iter([b'{"prompt": ', b'"hello"}']))
+    assert small.status_code == 200 and small.json()["choices"][0]["text"] == "hello"
+
+    hold = {"prompt": "hello", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=url) as http:
+        with http.stream("POST", "/v1/completions", json=hold) as first:
+            lines = first.iter_lines()  # kept: a dropped iterator closes the response
+            next(lines)  # a first token: this request holds the only slot
+            with http.stream("POST", "/v1/completions", json=hold):  # submitted, waiting for the slot
+                refused = http.post("/v1/completions", json={"prompt": "hello"})
+    error = refused.json()["error"]
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"  # the fake's 0.4 s rounded up
+    assert (error["type"], error["code"]) == ("server_error", "queue_full")
+    assert wait_for(lambda: not any(s.waiting for s in engine.streams))  # the clients left: both cancelled
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hello"}).status_code == 200
 
 
 # ---------------------------------------------------------------- disconnects and load
@@ -445,6 +524,9 @@ def test_serve_cli_defaults_and_missing_demo_run(tmp_path, monkeypatch, capsys):
 
     args = serve.parse_args([])
     assert (args.host, args.port, args.max_slots, args.max_context) == ("127.0.0.1", 8000, 8, 1024)
+    assert (args.max_waiting, args.max_body_bytes) == (64, None)  # 8 x --max-slots; the API's 4 MiB
+    args = serve.parse_args(["--max-slots", "2", "--max-waiting", "0", "--max-body-bytes", "100"])
+    assert (args.max_waiting, args.max_body_bytes) == (0, 100)  # 0: unbounded
     monkeypatch.chdir(tmp_path)  # no runs/demo here
     with pytest.raises(SystemExit) as exited:
         serve.main([])

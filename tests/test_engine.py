@@ -12,7 +12,7 @@ from reference import greedy_chain, perturbed_params
 from glm5_jax.serve.engine import Engine
 from glm5_jax.serve.observer import EngineObserver
 from glm5_jax.serve.paged_cache import page_hashes
-from glm5_jax.serve.types import InvalidRequestError, SamplingParams
+from glm5_jax.serve.types import EngineUnavailableError, InvalidRequestError, QueueFullError, SamplingParams
 
 # One xdist worker runs this module, so its fixtures (compiled engines) are built once.
 pytestmark = pytest.mark.xdist_group("engine")
@@ -29,7 +29,7 @@ def model(tiny_config):
 @pytest.fixture(scope="module")
 def engine(model):
     config, params = model
-    engine = Engine(config, params, None, max_slots=3, max_context=MAX_CONTEXT, seed=0)
+    engine = Engine(config, params, None, max_slots=3, max_context=MAX_CONTEXT, seed=0, token_budget=32)
     yield engine
     engine.shutdown()
 
@@ -119,7 +119,7 @@ def test_sliding_window_layers_on_the_ring_cache(model):
     config, params = model
     config = config.replace(attention_types=["dsa", "sliding_window", "dsa", "sliding_window"],
                             sliding_window=4)
-    engine = Engine(config, params, None, max_slots=2, max_context=32, seed=0)
+    engine = Engine(config, params, None, max_slots=2, max_context=32, seed=0, token_budget=16)
     try:
         rng = np.random.default_rng(2)
         prompts = [rng.integers(0, 200, n).tolist() for n in (3, 11, 6)]
@@ -177,17 +177,24 @@ def run_concurrently(engine, prompts, params):
 
 
 def test_preemption_and_chunked_prefill_keep_the_output(engine, small_pool):
+    """Greedy and seeded sampled requests (with penalties: the sampler's token counts matter)
+    give the same tokens on a pool so small that they preempt each other."""
     small, observer = small_pool
     rng = np.random.default_rng(7)
     prompts = [rng.integers(2, 200, n).tolist() for n in (14, 11, 9)]  # 34 prompt tokens > budget 16
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=11, ignore_eos=True,
+                             frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2)
     # Together they need 7 + 6 + 6 pages of 4 at the end: more than the 12 in the pool.
-    expected = run_concurrently(engine, prompts, greedy)
-    got = run_concurrently(small, prompts, greedy)
-    for want, have in zip(expected, got, strict=True):
-        assert [e.token_id for e in have] == [e.token_id for e in want]  # no repeats, none lost
-        assert have[-1].finish_reason == "length"
-    assert small.preemptions > 0 and len(observer.named("on_preempted")) == small.preemptions
+    for params in (greedy, sampled):
+        before = small.preemptions
+        expected = run_concurrently(engine, prompts, params)
+        got = run_concurrently(small, prompts, params)
+        for want, have in zip(expected, got, strict=True):
+            assert [e.token_id for e in have] == [e.token_id for e in want]  # no repeats, none lost
+            assert have[-1].finish_reason == "length"
+        assert small.preemptions > before
+    assert len(observer.named("on_preempted")) == small.preemptions
     assert small.pages.used == 0 and small.pages.available == small.pages.num_pages
     assert int(small.pages.refs.min()) == 0
 
@@ -230,4 +237,58 @@ def test_bad_pool_settings_are_rejected(model):
     with pytest.raises(ValueError, match="num_pages"):
         Engine(config, params, None, max_context=48, page_size=4, num_pages=11)
     with pytest.raises(ValueError, match="token_budget"):
-        Engine(config, params, None, max_slots=8, token_budget=4)
+        Engine(config, params, None, max_slots=8, token_budget=0)
+
+
+def test_a_failing_step_fails_only_its_requests(engine, monkeypatch):
+    """Fault injection in the real engine: the runner's next step raises. The requests in that
+    step end with "error"; the engine goes on serving; repeated failures stop it for good."""
+    runner = engine.runner
+    real_step, failures = runner.mixed_step, []
+
+    def fail_once(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected device error")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "mixed_step", fail_once)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    failed = asyncio.run(collect_events(engine, [3, 4, 5], greedy))
+    assert failed[-1].finish_reason == "error" and "injected" in failed[-1].error
+    served = asyncio.run(collect_events(engine, [3, 4, 5], greedy))
+    assert served[-1].finish_reason == "length" and len(served) == 4
+    assert engine.failure is None and engine.active_requests == 0
+
+
+def test_repeated_failures_stop_the_engine(model):
+    config, params = model
+    engine = Engine(config, params, None, max_slots=1, max_context=16, token_budget=16,
+                    max_consecutive_failures=2, max_waiting=2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected device error")
+
+    engine.runner.mixed_step = broken
+    try:
+        greedy = SamplingParams(max_tokens=4, temperature=0.0)
+        reasons = [asyncio.run(collect_events(engine, [1, 2], greedy))[-1].finish_reason for _ in range(2)]
+        assert reasons == ["error", "error"]
+        assert "2 model steps failed in a row" in engine.failure
+        with pytest.raises(EngineUnavailableError, match="injected"):
+            asyncio.run(submit_with(engine, greedy))
+    finally:
+        engine.shutdown()
+
+
+def test_bounded_waiting_queue(model):
+    config, params = model
+    engine = Engine(config, params, None, max_slots=1, max_context=16, token_budget=16, max_waiting=1)
+    engine.shutdown()  # no engine thread: submissions stay queued
+
+    async def two():
+        engine.submit([1, 2], SamplingParams())
+        engine.submit([1, 2], SamplingParams())
+
+    with pytest.raises(QueueFullError, match="waiting queue is full"):
+        asyncio.run(two())

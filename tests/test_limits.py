@@ -40,6 +40,7 @@ class FakeClock:
 def test_requests_per_minute_sliding_window():
     clock = FakeClock()
     limiter = RateLimiter([ApiKey("a", "key-a", Limits(requests_per_minute=2))], clock=clock)
+    limiter.acquire("key-a", 1).cancel()  # refused by the engine (a full queue): it does not count
     limiter.acquire("key-a", 1)
     clock.now += 10
     limiter.acquire("key-a", 1)
@@ -75,7 +76,7 @@ def test_tokens_per_minute_reserve_then_settle():
     assert refused.value.retry_after is None and "more than this key's limit of 100" in refused.value.message
 
 
-def test_keys_are_independent_and_default_applies_to_others():
+def test_keys_are_independent_and_unlisted_keys_share_the_default():
     clock = FakeClock()
     keys = [ApiKey("a", "key-a", Limits(requests_per_minute=1)), ApiKey("b", "key-b", Limits())]
     limiter = RateLimiter(keys, default=Limits(requests_per_minute=2), clock=clock)
@@ -85,13 +86,14 @@ def test_keys_are_independent_and_default_applies_to_others():
     for _ in range(50):
         limiter.acquire("key-b", 10**9)  # unlimited, and not held back by key-a's window
     limiter.acquire("stranger", 1)
-    limiter.acquire("stranger", 1)
-    with pytest.raises(RateLimited):
-        limiter.acquire("stranger", 1)
-    limiter.acquire("other-stranger", 1)  # the default limit is per key, not shared
+    limiter.acquire("", 1)  # no key
+    for key in ("stranger", "other-stranger", ""):  # one window for them all: a new key buys nothing
+        with pytest.raises(RateLimited) as refused:
+            limiter.acquire(key, 1)
+        assert "for all callers without a listed API key together" in refused.value.message
     clock.now += 61
-    limiter.acquire("key-a", 5)  # the sweep runs, and forgets windows that emptied
-    assert limiter.tracked_keys() == 1
+    limiter.acquire("new-stranger", 1)
+    assert limiter.tracked_keys() == 2  # key-a and the shared window (key-b is unlimited): bounded
 
 
 def test_concurrent_acquires_admit_exactly_the_limit():
@@ -236,7 +238,7 @@ def test_aliases_listed_accepted_and_answered_with_the_canonical_name(limited):
         assert "'gpt-5' does not exist" in error["message"] and "'glm-5'" in error["message"]
 
 
-def test_open_server_applies_default_limits_per_key():
+def test_open_server_shares_the_default_limit_among_unlisted_keys():
     clock = FakeClock()
     config = parse_server_config({"require_api_key": False, "default_limits": {"requests_per_minute": 1},
                                   "api_keys": [{"key": "sk-vip", "requests_per_minute": 0}]})
@@ -247,6 +249,8 @@ def test_open_server_applies_default_limits_per_key():
             headers = {"Authorization": f"Bearer {key}"} if key else {}
             return httpx.post(f"{url}/v1/completions", json=body, headers=headers).status_code
 
-        assert [post("sk-someone"), post("sk-someone"), post("sk-else"), post(None), post(None)] == [
-            200, 429, 200, 200, 429]
+        # A fresh bearer string (or none) does not buy a fresh window.
+        assert [post("sk-someone"), post("sk-someone"), post("sk-else"), post(None)] == [200, 429, 429, 429]
         assert [post("sk-vip") for _ in range(3)] == [200, 200, 200]  # listed as unlimited
+        clock.now += 60
+        assert [post("sk-else"), post(None)] == [200, 429]

@@ -9,6 +9,7 @@ from reference import perturbed_params
 
 import glm5_jax
 from glm5_jax.model.paged_decode import (
+    StepBatch,
     init_paged_cache,
     paged_cache_bytes_per_page,
     paged_step,
@@ -18,49 +19,57 @@ from glm5_jax.model.paged_decode import (
 from glm5_jax.model.transformer import sown_values
 
 PAGE = 4
-MAX_PAGES = 6  # 24 positions per sequence
-BUDGET = 8
+MAX_PAGES = 8  # 32 positions per sequence (a multiple of BLOCK_PAGES)
+BLOCK_PAGES = 2  # several streamed blocks per row
+ROWS = 3
 
 
 def schedule(lengths, chunk):
-    """Steps of (sequence, start, count): each step fills BUDGET tokens round-robin, at most
-    `chunk` tokens per sequence per step, so prefill chunks and single tokens mix."""
+    """Steps of (sequence, start, count), round-robin with at most `chunk` tokens per sequence per
+    step, so prefill chunks and single decode tokens mix."""
     done = [0] * len(lengths)
     steps = []
     while any(d < n for d, n in zip(done, lengths, strict=True)):
-        step, room = [], BUDGET
+        step = []
         for s, n in enumerate(lengths):
-            take = min(chunk[s], n - done[s], room)
+            take = min(chunk[s], n - done[s])
             if take > 0:
                 step.append((s, done[s], take))
                 done[s] += take
-                room -= take
         steps.append(step)
     return steps
 
 
 def paged_logits(config, params, sequences, chunk):
-    """Teacher-forced paged run; returns {sequence: logits [len, V]}."""
+    """Teacher-forced paged run; single tokens go to decode rows, longer runs to chunk rows (one
+    padded row shape). Returns {sequence: logits [len, V]}."""
     num_pages = len(sequences) * MAX_PAGES + 1
     cache = init_paged_cache(config, num_pages, PAGE)
     # Scrambled, interleaved page ownership (page 0 unused by anyone): tables must be followed.
     order = np.random.default_rng(0).permutation(np.arange(1, num_pages))
     tables = order.reshape(len(sequences), MAX_PAGES).astype(np.int32)
+    chunk_len = max(chunk)
     rows = {s: [] for s in range(len(sequences))}
     for step in schedule([len(s) for s in sequences], chunk):
-        tokens = np.zeros(BUDGET, np.int32)
-        positions = np.full(BUDGET, -1, np.int32)  # padding rows stay -1
-        block = np.zeros((BUDGET, MAX_PAGES), np.int32)
-        owners, t = [], 0
-        for s, start, count in step:
-            tokens[t:t + count] = sequences[s][start:start + count]
-            positions[t:t + count] = np.arange(start, start + count)
-            block[t:t + count] = tables[s]
-            owners += [s] * count
-            t += count
-        logits, cache = paged_step(config, params, cache, tokens, positions, block, np.arange(BUDGET))
-        for row, s in enumerate(owners):
-            rows[s].append(np.asarray(logits[row]))
+        decode_tokens, decode_positions = np.zeros(ROWS, np.int32), np.full(ROWS, -1, np.int32)
+        chunk_tokens = np.zeros((ROWS, chunk_len), np.int32)
+        chunk_positions = np.full((ROWS, chunk_len), -1, np.int32)
+        block = np.zeros((2 * ROWS, MAX_PAGES), np.int32)
+        owners = []
+        for r, (s, start, count) in enumerate(step):
+            if count == 1:
+                decode_tokens[r], decode_positions[r], block[r] = sequences[s][start], start, tables[s]
+                owners += [(s, r)]
+            else:
+                chunk_tokens[r, :count] = sequences[s][start:start + count]
+                chunk_positions[r, :count] = np.arange(start, start + count)
+                block[ROWS + r] = tables[s]
+                owners += [(s, ROWS + r * chunk_len + i) for i in range(count)]
+        batch = StepBatch(decode_tokens, decode_positions, chunk_tokens, chunk_positions, block)
+        logits, cache = paged_step(config, params, cache, batch, np.asarray([i for _, i in owners]),
+                                   block_pages=BLOCK_PAGES)
+        for (s, _), row in zip(owners, np.asarray(logits), strict=True):
+            rows[s].append(row)
     return {s: np.stack(r) for s, r in rows.items()}, cache
 
 
@@ -99,10 +108,12 @@ def test_padding_writes_nothing_and_pages_round_trip(tiny_config):
     assert cache["moe_layers"]["latent"].shape == (3, 3, PAGE, config.kv_lora_rank)
     assert paged_cache_bytes_per_page(config, PAGE) == sum(
         leaf.nbytes for leaf in jax.tree.leaves(cache)) // 3
-    tokens = np.arange(BUDGET, dtype=np.int32) + 5
-    positions = np.array([0, 1, 2, -1, -1, -1, -1, -1], np.int32)
-    block = np.tile(np.array([[2, 0, 0, 0, 0, 0]], np.int32), (BUDGET, 1))
-    _, cache = paged_step(config, params, cache, tokens, positions, block, np.arange(BUDGET))
+    # One chunk row of three real tokens and five padding tokens, plus an all-padding decode row.
+    chunk_tokens = np.arange(8, dtype=np.int32)[None] + 5
+    chunk_positions = np.array([[0, 1, 2, -1, -1, -1, -1, -1]], np.int32)
+    block = np.tile(np.array([[2, 0]], np.int32), (2, 1))
+    batch = StepBatch(np.zeros(1, np.int32), np.full(1, -1, np.int32), chunk_tokens, chunk_positions, block)
+    _, cache = paged_step(config, params, cache, batch, np.arange(9), block_pages=1)
     written = np.asarray(cache["moe_layers"]["latent"])
     assert np.all(written[:, :2] == 0)  # pages 0, 1 untouched (padding rows point at page 2 too)
     assert np.all(written[:, 2, 3] == 0) and np.all(np.abs(written[:, 2, :3]).sum(-1) > 0)

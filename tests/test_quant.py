@@ -25,8 +25,8 @@ from reference import random_params
 
 from glm5_jax.config_files import load_model_config
 from glm5_jax.model import forward
-from glm5_jax.model.decode import decode_step, init_cache
 from glm5_jax.model.layers import declare_weight
+from glm5_jax.model.paged_decode import StepBatch, init_paged_cache, paged_step
 from glm5_jax.quant import (
     FORMATS,
     MODULE_CLASSES,
@@ -245,14 +245,21 @@ def test_quantized_forward_equals_dequantized_params(tiny, tiny_mixed):
                                forward(config, dequantize_tree(tiny_mixed), ids), atol=1e-5, rtol=1e-5)
 
 
-def test_decode_step_reads_quantized_params(tiny, tiny_mixed):
-    """The serving path (decode_step casts each weight, which dequantizes a QuantizedTensor)
+def test_paged_step_reads_quantized_params(tiny, tiny_mixed):
+    """The serving path (paged_step casts each weight, which dequantizes a QuantizedTensor)
     gives forward's logits on a quantized model, embedding quantized too."""
     config, _, ids, _ = tiny
     quantized = {**tiny_mixed, "embed": quantize(tiny_mixed["embed"], "int8")}
-    logits, _ = decode_step(config, quantized, init_cache(config, 2, 16), ids,
-                            jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape))
-    np.testing.assert_allclose(logits, forward(config, dequantize_tree(quantized), ids), atol=1e-4, rtol=1e-4)
+    rows, length = ids.shape
+    pages = -(-length // 4)
+    tables = np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
+    positions = np.broadcast_to(np.arange(length, dtype=np.int32), ids.shape)
+    empty = np.zeros(0, np.int32)
+    batch = StepBatch(empty, empty, np.asarray(ids, np.int32), positions, tables)
+    logits, _ = paged_step(config, quantized, init_paged_cache(config, rows * pages, 4), batch,
+                           np.arange(rows * length), block_pages=1)
+    expected = forward(config, dequantize_tree(quantized), ids)
+    np.testing.assert_allclose(logits.reshape(rows, length, -1), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_quantized_forward_close_to_unquantized(tiny, tiny_mixed):

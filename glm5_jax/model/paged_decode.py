@@ -1,43 +1,148 @@
-"""One model step over a flat batch of tokens on a paged latent cache (what the engine runs).
+"""One model step over a batch of sequences on a paged latent cache (the only cached path).
 
 The cache is a pool of fixed-size pages shared by all sequences, per layer stack
 (dense_layers, moe_layers): {"latent": [L, P, page, Rkv], "k_rope": [L, P, page, rope] and,
 when any layer is DSA, "index_keys": [L, P, page, H]}; P = num_pages. A sequence owns a list of
 pages, its block table: cache position p lives in page block_table[p // page], row p % page.
 
-`paged_step` runs T tokens that may belong to different sequences: decode tokens (one per
-running sequence) and prefill chunks side by side. Each token carries its position (-1 =
-padding: no cache write, output ignored) and its sequence's block-table row. Per layer, all new
-latents are first written into their pages, then every token attends over its own sequence's
-cache positions <= its position, so a token sees the tokens written before it in the same step.
-Attention is absorbed MLA; DSA layers select top-k keys from the cached indexer keys;
-sliding-window layers use the same pages masked to the last `sliding_window` positions (pages
-outside the window are not freed: a sliding layer costs as much cache as a DSA layer here).
-Logits are computed only for `sample_rows`.
+A step (`StepBatch`) holds two groups of sequence rows, each with its own block-table row:
+  decode rows [Gd]: one new token per sequence;
+  chunk rows [Gc, Qc]: a prefill chunk of up to Qc consecutive tokens per sequence.
+Token position -1 marks padding (no cache write, output ignored; a padding row costs its matmul
+rows and nothing else). Projections and feed-forwards run on the Gd + Gc * Qc tokens as one flat
+batch; attention runs per row, so a chunk attends as a block to its sequence's cached prefix
+plus itself, and each row's pages are read once per step, up to its real length:
 
-`ModelConfig.decode_attention_impl` picks the attention: "reference" (jnp; gathers each
-token's pages into a contiguous [S = max_pages * page] view) or "pallas"
-(kernels_pallas.mla_decode, reading the pages through the block table).
+- DSA layers, dense regime (every query of the step has at most index_topk causal keys, so the
+  top-k would select them all): causal attention streamed over the row's pages in blocks of
+  `block_pages` pages with an online softmax; the loop runs to the longest row of the group,
+  never to max_context, and the indexer is skipped (its selection would be "everything").
+- DSA layers, sparse regime: the indexer scores each row's queries against the row's cached
+  index keys block by block, keeping a running top-k; attention then gathers only the k
+  selected latents per query (the O(S x k) of DSA). IndexShare "shared" layers reuse the
+  selection of the previous "full" layer.
+- Sliding-window layers gather the last `sliding_window` positions of each query.
+
+`ExecutionOptions.decode_attention_impl` picks the attention: "reference" (jnp, this module) or
+"pallas" (kernels_pallas.ragged_paged_attention, reading pages through the block table).
+Logits are computed only for `sample_rows` (indices into the flat token batch).
+
+Einsum letters as in glm5_jax/model/layers.py, with B = the rows of a group (sequences), T = the
+queries of a row, S = a streamed block of cache positions.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from glm5_jax.model.config import ModelConfig
-from glm5_jax.model.decode import _feed_forward, _project, _stack_kinds, _stack_layers, _stack_sizes
-from glm5_jax.model.dsa import (
-    combine_index_scores,
-    indexer_keys,
-    indexer_queries,
-    select_topk,
-    selection_mask,
-)
-from glm5_jax.model.layers import rms_norm
-from glm5_jax.model.mla import absorbed_attention
+from glm5_jax.model.dsa import index_head_weights, indexer_keys, indexer_queries
+from glm5_jax.model.layers import apply_rope, rms_norm, rope_angles, swiglu_mlp
+from glm5_jax.model.mla import kv_latent, query_path
+from glm5_jax.model.moe import ROUTED_EXPERTS, route
+from glm5_jax.model.transformer import moe_spec
+from glm5_jax.parallel.expert import expert_mesh, routed_experts_sharded
+
+DEFAULT_BLOCK_POSITIONS = 128  # cache positions streamed per attention / indexer block
+
+
+class StepBatch(NamedTuple):
+    """The tokens of one step. decode_*: [Gd]; chunk_*: [Gc, Qc]; block_tables: [Gd + Gc, W]
+    int32 (decode rows first; W a multiple of the step's block_pages; entries past a row's pages
+    are ignored). A row's pages must hold its positions before its first token in this step."""
+
+    decode_tokens: jax.Array
+    decode_positions: jax.Array
+    chunk_tokens: jax.Array
+    chunk_positions: jax.Array
+    block_tables: jax.Array
+
+
+# ----------------------------------------------------------------------------- layer pieces
+
+
+def _stack_sizes(config: ModelConfig) -> dict[str, int]:
+    sizes = {"dense_layers": config.num_dense_layers, "moe_layers": config.num_moe_layers}
+    return {name: size for name, size in sizes.items() if size}
+
+
+def _stack_layers(config: ModelConfig, stack: str) -> range:
+    first = 0 if stack == "dense_layers" else config.num_dense_layers
+    return range(first, first + _stack_sizes(config)[stack])
+
+
+def _is_sliding(config: ModelConfig, layer: int) -> bool:
+    return config.attention_types[layer] == "sliding_window"
+
+
+class _Projected(NamedTuple):
+    """One layer's per-token attention inputs for the new tokens."""
+
+    q_latent: jax.Array  # [S, C, Rq]
+    q_nope: jax.Array  # [S, C, N, nope]
+    q_rope: jax.Array  # [S, C, N, rope], rotated
+    latent: jax.Array  # [S, C, Rkv]
+    k_rope: jax.Array  # [S, C, rope], rotated
+    cos: jax.Array
+    sin: jax.Array
+
+
+def _project(config: ModelConfig, w, x, positions) -> _Projected:
+    q_latent, q_nope, q_rope = query_path(x, w["q_a_proj"], w["q_a_norm"], w["q_b_proj"],
+                                          config.latent_norm_eps, config.qk_nope_head_dim)
+    latent, k_rope = kv_latent(x, w["kv_a_proj"], w["kv_a_norm"], config.kv_lora_rank,
+                               config.latent_norm_eps)
+    cos, sin = rope_angles(positions, config.qk_rope_head_dim, config.rope_theta)
+    return _Projected(q_latent, q_nope, apply_rope(q_rope, cos, sin), latent,
+                      apply_rope(k_rope, cos, sin), cos, sin)
+
+
+def _feed_forward(config: ModelConfig, layer, x, ffn: str):
+    """x: [S, C, D] normalised -> [S, C, D]."""
+    if ffn == "dense":
+        mlp = layer["mlp"]
+        return swiglu_mlp(x, mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
+    moe, spec = layer["moe"], moe_spec(config)
+    tokens = x.reshape(-1, x.shape[-1])
+    weights, experts, _ = route(tokens, moe["router"], moe["router_bias"], spec)
+    mesh = expert_mesh()  # expert-parallel serving: tokens travel to the experts, not weights
+    if mesh is None:
+        y = ROUTED_EXPERTS[spec.impl](tokens, weights, experts, moe["gate_proj"], moe["up_proj"],
+                                      moe["down_proj"])
+    else:
+        y, _ = routed_experts_sharded(tokens, weights, experts, moe["gate_proj"], moe["up_proj"],
+                                      moe["down_proj"], mesh=mesh, local_impl=ROUTED_EXPERTS[spec.impl],
+                                      capacity_factor=spec.capacity_factor, dispatch=spec.dispatch)
+    y = y.reshape(x.shape)
+    if config.num_shared_experts:
+        shared = moe["shared_experts"]
+        y = y + swiglu_mlp(x, shared["gate_proj"], shared["up_proj"], shared["down_proj"])
+    return y
+
+
+class _StackKinds(NamedTuple):
+    """Static description of one scanned stack's layers."""
+
+    mode: str  # "full" (all DSA), "ring" (all sliding-window) or "mixed"
+    run: jax.Array  # bool [L]: the layer runs the indexer
+    sliding: jax.Array  # bool [L]: the layer is a sliding-window layer
+    group_index: jax.Array  # int32 [L]: the layer's index in its cache group
+    uniform_run: bool | None  # `run` when all the stack's DSA layers agree, else None
+
+
+def _stack_kinds(config: ModelConfig, stack: str) -> _StackKinds:
+    layers = _stack_layers(config, stack)
+    sliding = [_is_sliding(config, i) for i in layers]
+    run = [not s and config.indexer_types[i] == "full" for i, s in zip(layers, sliding, strict=True)]
+    dsa_runs = {r for r, s in zip(run, sliding, strict=True) if not s}
+    mode = "ring" if all(sliding) else "mixed" if any(sliding) else "full"
+    index = [sliding[:j].count(sliding[j]) for j in range(len(sliding))]
+    return _StackKinds(mode, jnp.asarray(run), jnp.asarray(sliding), jnp.asarray(index, jnp.int32),
+                       dsa_runs.pop() if len(dsa_runs) == 1 else None)
 
 
 def _has_dsa(config: ModelConfig, stack: str) -> bool:
@@ -70,66 +175,218 @@ def paged_cache_bytes_per_page(config: ModelConfig, page_size: int, dtype=None) 
     return total * page_size * itemsize
 
 
+# ----------------------------------------------------------------------------- page access
+
+
 def _write_pages(pages, values, page_index, row):
     """pages: [P, page, F]; values: [T, F] to (page_index [T], row [T]); index P drops the write."""
     return pages.at[page_index, row].set(values.astype(pages.dtype), mode="drop")
 
 
-def _gather(pages, block_tables):
-    """pages: [P, page, F]; block_tables: [T, max_pages] -> each token's contiguous view [T, S, F]."""
-    view = pages[block_tables]  # [T, max_pages, page, F]
+def _gather_positions(pages, tables, positions):
+    """pages [P, page, F]; tables [B, W]; positions [B, T, K] (-1 = none) -> [B, T, K, F]."""
+    page_size = pages.shape[1]
+    safe = jnp.maximum(positions, 0)
+    rows, q_len, k = positions.shape
+    page_ids = jnp.take_along_axis(tables, (safe // page_size).reshape(rows, -1), axis=1)
+    return pages[page_ids.reshape(rows, q_len, k), safe % page_size]
+
+
+def _row_block(pages, tables, block, block_pages):
+    """Block `block` of every row's cache: pages [P, page, F]; tables [B, W] -> [B, S, F]
+    with S = block_pages * page (positions block * S onwards)."""
+    ids = jax.lax.dynamic_slice_in_dim(tables, block * block_pages, block_pages, axis=1)
+    view = pages[ids]  # [B, block_pages, page, F]
     return view.reshape(view.shape[0], -1, view.shape[-1])
 
 
-def _window_positions(positions, window: int):
-    """The cache positions a sliding-window query sees, as a top-k list: [T] -> [T, 1, window]
-    (-1 = none)."""
-    keys = positions[:, None] - jnp.arange(window)[None]
-    return jnp.where((keys >= 0) & (positions[:, None] >= 0), keys, -1)[:, None, :].astype(jnp.int32)
+def _num_blocks(query_positions, block_size: int):
+    """Blocks the longest row of a group needs (dynamic): its last position // block + 1."""
+    return (jnp.max(query_positions) + block_size) // block_size
 
 
-def _pallas_context(config: ModelConfig, q_nope, q_rope, kv_b_proj, layer_cache, block_tables, positions,
-                    topk_positions):
-    """Absorbed attention through kernels_pallas.mla_decode; returns [T, 1, N, Hv]."""
-    from kernels_pallas.mla_decode import mla_decode_attention  # lazy: optional kernel
-
-    nope_dim = q_nope.shape[-1]
-    q_absorbed = jnp.einsum("BTNH,RNH->BTNR", q_nope, kv_b_proj[..., :nope_dim])  # [T, 1, N, Rkv]
-    context = mla_decode_attention(
-        q_absorbed, q_rope, layer_cache["latent"], layer_cache["k_rope"], block_tables,
-        positions[:, None], scale=(nope_dim + q_rope.shape[-1]) ** -0.5, topk_positions=topk_positions)
-    context = context.astype(q_nope.dtype)
-    return jnp.einsum("BTNR,RNH->BTNH", context, kv_b_proj[..., nope_dim:])
+# ----------------------------------------------------------------------------- attention
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def paged_step(config: ModelConfig, params, cache, tokens, positions, block_tables, sample_rows):
-    """Runs a flat batch of T tokens through the model on the paged cache.
+def _streamed_causal_attention(q_absorbed, q_rope, latent_pages, rope_pages, tables, query_positions,
+                               block_pages: int, scale: float):
+    """Causal absorbed attention over each row's pages with an online softmax.
 
-    tokens, positions: [T] int32 (position -1 = padding); block_tables: [T, max_pages] int32, the
-    page list of each token's sequence (entries past the sequence's pages are ignored);
-    sample_rows: [G] int32, the token indices whose logits are wanted. A sequence's pages must
-    hold its positions before its first token in this step. Returns (logits [G, vocab] float32,
-    updated cache).
+    q_absorbed [B, T, N, R]; q_rope [B, T, N, r]; tables [B, W]; query_positions [B, T] (-1 =
+    padding). Returns the latent context [B, T, N, R] float32 (0 for padding queries).
+    """
+    rows, q_len, heads, _ = q_absorbed.shape
+    block_size = block_pages * latent_pages.shape[1]
+
+    def body(block, carry):
+        running_max, denominator, context = carry
+        latent = _row_block(latent_pages, tables, block, block_pages)  # [B, S, R]
+        k_rope = _row_block(rope_pages, tables, block, block_pages)
+        logits = (jnp.einsum("BTNR,BSR->BTNS", q_absorbed, latent, preferred_element_type=jnp.float32)
+                  + jnp.einsum("BTNH,BSH->BTNS", q_rope, k_rope, preferred_element_type=jnp.float32)) * scale
+        key_positions = block * block_size + jnp.arange(block_size)
+        allowed = (key_positions[None, None, :] <= query_positions[:, :, None])[:, :, None, :]
+        logits = jnp.where(allowed, logits, -jnp.inf)
+        new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        correction = jnp.exp(running_max - safe_max)
+        probs = jnp.exp(logits - safe_max[..., None])
+        denominator = denominator * correction + jnp.sum(probs, axis=-1)
+        context = context * correction[..., None] + jnp.einsum(
+            "BTNS,BSR->BTNR", probs.astype(latent.dtype), latent, preferred_element_type=jnp.float32)
+        return new_max, denominator, context
+
+    init = (jnp.full((rows, q_len, heads), -jnp.inf, jnp.float32),
+            jnp.zeros((rows, q_len, heads), jnp.float32), jnp.zeros(q_absorbed.shape, jnp.float32))
+    _, denominator, context = jax.lax.fori_loop(0, _num_blocks(query_positions, block_size), body, init)
+    return context / jnp.maximum(denominator, jnp.finfo(jnp.float32).tiny)[..., None]
+
+
+def _selected_attention(q_absorbed, q_rope, latent_pages, rope_pages, tables, key_positions, scale: float):
+    """Absorbed attention over each query's own key list. key_positions [B, T, K] (-1 = none).
+    Returns the latent context [B, T, N, R] float32 (0 where a query has no key)."""
+    latent = _gather_positions(latent_pages, tables, key_positions)  # [G, Q, K, R]
+    k_rope = _gather_positions(rope_pages, tables, key_positions)
+    logits = (jnp.einsum("BTNR,BTKR->BTNK", q_absorbed, latent, preferred_element_type=jnp.float32)
+              + jnp.einsum("BTNH,BTKH->BTNK", q_rope, k_rope, preferred_element_type=jnp.float32)) * scale
+    allowed = (key_positions >= 0)[:, :, None, :]
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    safe_max = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), jnp.finfo(jnp.float32).min)
+    probs = jnp.where(allowed, jnp.exp(logits - safe_max), 0.0)
+    probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    return jnp.einsum("BTNK,BTKR->BTNR", probs.astype(latent.dtype), latent,
+                      preferred_element_type=jnp.float32)
+
+
+def _streamed_topk(index_queries, head_weights, key_pages, tables, query_positions, topk: int,
+                   block_pages: int):
+    """The DSA indexer's causal top-k over each row's cached index keys, streamed block by block.
+
+    index_queries [B, T, M, H]; head_weights [B, T, M] (float32); key_pages [P, page, H];
+    query_positions [B, T]. Returns key positions [B, T, k] int32 (-1 = fewer allowed keys than
+    k). Ties go to the lower position, as `dsa.select_topk` (lax.top_k keeps the first index).
+    """
+    rows, q_len, _, head_dim = index_queries.shape
+    block_size = block_pages * key_pages.shape[1]
+    queries = index_queries.astype(jnp.float32)
+
+    def body(block, carry):
+        best_scores, best_positions = carry
+        keys = _row_block(key_pages, tables, block, block_pages).astype(jnp.float32)  # [B, S, H]
+        scores = jax.nn.relu(jnp.einsum("BTMH,BSH->BTMS", queries, keys) * head_dim**-0.5)
+        scores = jnp.einsum("BTM,BTMS->BTS", head_weights, scores)
+        key_positions = block * block_size + jnp.arange(block_size, dtype=jnp.int32)
+        allowed = key_positions[None, None, :] <= query_positions[:, :, None]
+        scores = jnp.where(allowed, scores, -jnp.inf)
+        candidates = jnp.concatenate([best_scores, scores], axis=-1)
+        positions = jnp.concatenate([best_positions, jnp.broadcast_to(key_positions, scores.shape)], axis=-1)
+        best_scores, chosen = jax.lax.top_k(candidates, topk)
+        return best_scores, jnp.take_along_axis(positions, chosen, axis=-1)
+
+    init = (jnp.full((rows, q_len, topk), -jnp.inf, jnp.float32),
+            jnp.full((rows, q_len, topk), -1, jnp.int32))
+    best_scores, best_positions = jax.lax.fori_loop(0, _num_blocks(query_positions, block_size), body, init)
+    return jnp.where(jnp.isfinite(best_scores), best_positions, -1)
+
+
+def _window_positions(query_positions, window: int):
+    """The keys a sliding-window query sees, as a key list: [B, T] -> [B, T, window] (-1 = none)."""
+    keys = query_positions[..., None] - jnp.arange(window)
+    return jnp.where((keys >= 0) & (query_positions[..., None] >= 0), keys, -1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+class _Group(NamedTuple):
+    """One row group's static view of the flat token batch."""
+
+    start: int  # first flat token
+    rows: int
+    q_len: int
+    table_start: int  # first block-table row
+
+
+def _groups(batch: StepBatch) -> tuple[_Group, ...]:
+    decode_rows = batch.decode_tokens.shape[0]
+    chunk_rows, chunk_len = batch.chunk_tokens.shape
+    groups = []
+    if decode_rows:
+        groups.append(_Group(0, decode_rows, 1, 0))
+    if chunk_rows and chunk_len:
+        groups.append(_Group(decode_rows, chunk_rows, chunk_len, decode_rows))
+    return tuple(groups)
+
+
+def _split(flat, group: _Group):
+    """[T, ...] -> the group's [B, T, ...]."""
+    part = flat[group.start:group.start + group.rows * group.q_len]
+    return part.reshape((group.rows, group.q_len) + flat.shape[1:])
+
+
+def _attention_backend(config: ModelConfig, options) -> str:
+    return (options if options is not None else config).decode_attention_impl
+
+
+def _group_context(backend, q_absorbed, q_rope, layer_cache, tables, query_positions, key_positions,
+                   block_pages: int, scale: float):
+    """Latent context [B, T, N, R] of one group: causal over the row's pages when key_positions
+    is None, else over each query's key list."""
+    if backend == "pallas":
+        from kernels_pallas.ragged_paged_attention import ragged_paged_mla_attention  # optional kernel
+
+        rows, q_len = query_positions.shape
+        flat = lambda a: a.reshape((rows * q_len,) + a.shape[2:])  # noqa: E731
+        context = ragged_paged_mla_attention(
+            flat(q_absorbed), flat(q_rope), layer_cache["latent"], layer_cache["k_rope"], tables,
+            jnp.arange(rows, dtype=jnp.int32) * q_len,
+            jnp.sum(query_positions >= 0, axis=1).astype(jnp.int32),
+            flat(query_positions), scale=scale, max_row_len=q_len,
+            topk_positions=None if key_positions is None else flat(key_positions))
+        return context.astype(jnp.float32).reshape(q_absorbed.shape)
+    if key_positions is None:
+        return _streamed_causal_attention(q_absorbed, q_rope, layer_cache["latent"], layer_cache["k_rope"],
+                                          tables, query_positions, block_pages, scale)
+    return _selected_attention(q_absorbed, q_rope, layer_cache["latent"], layer_cache["k_rope"], tables,
+                               key_positions, scale)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "options", "block_pages"), donate_argnames=("cache",))
+def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows, *, options=None,
+               block_pages: int = 8):
+    """Runs one step's tokens through the model on the paged cache.
+
+    batch: a `StepBatch`; sample_rows: [S] int32, indices into the flat token batch (decode
+    tokens, then the chunk rows' tokens) whose logits are wanted. options: execution options
+    with `decode_attention_impl` (None = reference). Returns (logits [S, vocab] float32, cache).
     """
     dtype = config.compute_dtype
-    num_tokens = tokens.shape[0]
-    any_stack = next(iter(cache.values()))
-    num_pages, page_size = any_stack["latent"].shape[1:3]
-    max_keys = block_tables.shape[1] * page_size
+    tokens = jnp.concatenate([batch.decode_tokens, batch.chunk_tokens.reshape(-1)])
+    positions = jnp.concatenate([batch.decode_positions, batch.chunk_positions.reshape(-1)])
+    tables = batch.block_tables
+    num_pages, page_size = next(iter(cache.values()))["latent"].shape[1:3]
+    groups = _groups(batch)
+    if tables.shape[1] % block_pages:
+        raise ValueError(f"block_tables width {tables.shape[1]} must be a multiple of block_pages "
+                         f"({block_pages})")
+    # Each flat token's block-table row, then the page and row its new cache entry goes to.
+    table_row = jnp.concatenate([jnp.repeat(jnp.arange(g.rows) + g.table_start, g.q_len) for g in groups]) \
+        if groups else jnp.zeros((0,), jnp.int32)
     valid = positions >= 0
-    page_of_position = jnp.maximum(positions, 0)[:, None] // page_size
-    page_index = jnp.take_along_axis(block_tables, page_of_position, axis=1)[:, 0]
+    page_index = tables[table_row, jnp.maximum(positions, 0) // page_size]
     page_index = jnp.where(valid, page_index, num_pages)  # padding: out of range, write dropped
     row = jnp.maximum(positions, 0) % page_size
-    causal = jnp.arange(max_keys)[None, :] <= positions[:, None]  # [T, S]; all False for padding
-    window = config.sliding_window
-    window_allowed = causal & (positions[:, None] - jnp.arange(max_keys)[None, :] < max(window, 1))
-    topk = min(config.index_topk, max_keys)
-    pallas = config.decode_attention_impl == "pallas"
+    group_positions = [_split(positions, g) for g in groups]
+    group_tables = [tables[g.table_start:g.table_start + g.rows] for g in groups]
+    topk = min(config.index_topk, tables.shape[1] * page_size)
+    # Every query has at most index_topk causal keys: DSA would select them all.
+    dense = jnp.max(positions) < config.index_topk
+    backend = _attention_backend(config, options)
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    nope_dim = config.qk_nope_head_dim
 
-    x = params["embed"][tokens].astype(dtype)[:, None, :]  # [T, 1, D]: B = tokens, one query each
-    indices = jnp.zeros((num_tokens, 1, topk), jnp.int32)
+    x = params["embed"][tokens].astype(dtype)[:, None, :]  # [T, 1, D]: one query per flat token
+    selections = tuple(jnp.full((g.rows, g.q_len, topk), -1, jnp.int32) for g in groups)
     new_cache = {}
     for stack in _stack_sizes(config):
         kinds = _stack_kinds(config, stack)
@@ -146,6 +403,8 @@ def paged_step(config: ModelConfig, params, cache, tokens, positions, block_tabl
             layer_cache = dict(layer_cache)
             layer_cache["latent"] = _write_pages(layer_cache["latent"], p.latent[:, 0], page_index, row)
             layer_cache["k_rope"] = _write_pages(layer_cache["k_rope"], p.k_rope[:, 0], page_index, row)
+            q_absorbed = jnp.einsum("BTNH,RNH->BTNR", p.q_nope, w["kv_b_proj"][..., :nope_dim])[:, 0]
+            q_rope = p.q_rope[:, 0]
 
             selected = previous
             if has_dsa:
@@ -157,51 +416,47 @@ def paged_step(config: ModelConfig, params, cache, tokens, positions, block_tabl
 
                 def run():
                     queries = indexer_queries(p.q_latent, p.cos, p.sin, indexer["wq_b"],
-                                              config.qk_rope_head_dim)
-                    keys = _gather(layer_cache["index_keys"], block_tables)  # [T, S, H]
-                    scores = combine_index_scores(normed, queries, keys, indexer["weights_proj"])  # [T, 1, S]
-                    return select_topk(scores, causal[:, None], topk)[0]
+                                              config.qk_rope_head_dim)[:, 0]  # [T, M, H]
+                    head_weights = index_head_weights(normed, indexer["weights_proj"])[:, 0]  # [T, M]
+                    return tuple(_streamed_topk(_split(queries, g), _split(head_weights, g),
+                                                layer_cache["index_keys"], t, q, topk, block_pages)
+                                 for g, t, q in zip(groups, group_tables, group_positions, strict=True))
 
                 run_now = run_flag if kinds.uniform_run is None else kinds.uniform_run
-                if isinstance(run_now, bool):
-                    selected = run() if run_now else previous
-                else:
-                    selected = jax.lax.cond(run_now, run, lambda: previous)
+                run_now = jnp.logical_and(run_now, jnp.logical_not(dense))
+                selected = jax.lax.cond(run_now, run, lambda: previous)
 
-            sliding = sliding_flag if kinds.mode == "mixed" else kinds.mode == "ring"
-            if pallas:
-                dsa_topk = jnp.where(jnp.take_along_axis(causal[:, None], selected, axis=-1), selected, -1)
-                if kinds.mode == "full":
-                    topk_positions = dsa_topk
-                else:
-                    window_topk = _window_positions(positions, window)
-                    if kinds.mode == "ring":
-                        topk_positions = window_topk
-                    else:  # mixed: pad both lists to one width, pick per layer
-                        width = max(topk, window)
-                        pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, width - a.shape[-1])),  # noqa: E731
-                                                constant_values=-1)
-                        topk_positions = jnp.where(sliding, pad(window_topk), pad(dsa_topk))
-                out = _pallas_context(config, p.q_nope, p.q_rope, w["kv_b_proj"], layer_cache, block_tables,
-                                      positions, topk_positions)
+            def attend(key_lists):
+                """key_lists: per group [B, T, K] or None (causal) -> context [T, N, R] float32."""
+                parts = [_group_context(backend, _split(q_absorbed, g), _split(q_rope, g), layer_cache, t, q,
+                                        keys, block_pages, scale)
+                         for g, t, q, keys in zip(groups, group_tables, group_positions, key_lists,
+                                                  strict=True)]
+                return jnp.concatenate([c.reshape((-1,) + c.shape[2:]) for c in parts])
+
+            def dsa_context():
+                return jax.lax.cond(dense, lambda: attend([None] * len(groups)), lambda: attend(selected))
+
+            def window_context():
+                return attend([_window_positions(q, config.sliding_window) for q in group_positions])
+
+            if kinds.mode == "full":
+                context = dsa_context()
+            elif kinds.mode == "ring":
+                context = window_context()
             else:
-                allowed = window_allowed[:, None]  # [T, 1, S]
-                if has_dsa:
-                    dsa_allowed = causal[:, None] & selection_mask(selected, max_keys)
-                    mixed = kinds.mode == "mixed"
-                    allowed = jnp.where(sliding, allowed, dsa_allowed) if mixed else dsa_allowed
-                out = absorbed_attention(p.q_nope, p.q_rope, _gather(layer_cache["latent"], block_tables),
-                                         _gather(layer_cache["k_rope"], block_tables), w["kv_b_proj"],
-                                         allowed)
+                context = jax.lax.cond(sliding_flag, window_context, dsa_context)
+            context = context.astype(dtype)[:, None]  # [T, 1, N, R]
+            out = jnp.einsum("BTNR,RNH->BTNH", context, w["kv_b_proj"][..., nope_dim:])
             x = x + jnp.einsum("BTNH,NHD->BTD", out, w["o_proj"])
             normed = rms_norm(x, layer["post_attention_norm"]["scale"], config.rms_norm_eps)
             x = x + _feed_forward(config, layer, normed, ffn)
             return (x, selected), layer_cache
 
-        (x, indices), new_cache[stack] = jax.lax.scan(
-            layer_step, (x, indices), (params[stack], cache[stack], kinds.run, kinds.sliding))
-    hidden = rms_norm(x[sample_rows, 0], params["final_norm"]["scale"], config.rms_norm_eps)  # [G, D]
-    logits = jnp.einsum("GD,DV->GV", hidden, params["lm_head"].astype(dtype),
+        (x, selections), new_cache[stack] = jax.lax.scan(
+            layer_step, (x, selections), (params[stack], cache[stack], kinds.run, kinds.sliding))
+    hidden = rms_norm(x[sample_rows, 0], params["final_norm"]["scale"], config.rms_norm_eps)  # [S, D]
+    logits = jnp.einsum("BD,DV->BV", hidden, params["lm_head"].astype(dtype),
                         preferred_element_type=jnp.float32)
     return logits, new_cache
 

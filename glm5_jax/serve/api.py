@@ -5,16 +5,18 @@ Requests become SamplingParams and token ids for the engine; engine events becom
 incremental detokenisation that never emits half a UTF-8 character, stop strings (cut before the
 match, engine request cancelled), and EOS / stop-token text kept out of the output. Every error is
 an OpenAI-style JSON body ({"error": {"message", "type", "param", "code"}}) and never a 500 for a
-bad request; a client that goes away cancels its engine request. Model-id aliases, API keys and
-their per-minute limits come from the server config (server_config.py); a request over a limit is
-answered 429 with Retry-After (limits.py).
+bad request (errors.py); a client that goes away cancels its engine request. Model-id aliases, API
+keys and their per-minute limits come from the server config (server_config.py); a request over a
+limit is answered 429 with Retry-After (limits.py). Bodies over max_body_bytes get 413; a full
+engine queue or a failed engine 503; a request that fails inside the engine a generic 500 (or, once
+streaming, a final error event). Tokenizing and chat-template rendering run in worker threads so
+that a long prompt does not hold up other streams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import json
 import logging
@@ -26,13 +28,12 @@ from typing import Any, Literal
 
 import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel, ConfigDict
 
 from glm5_jax.serve.accounting import AccountedGeneration
 from glm5_jax.serve.chat import ChatRenderer
+from glm5_jax.serve.errors import APIError, add_error_handlers, error_body, internal_error_message
 from glm5_jax.serve.limits import RateLimited, RateLimiter
 from glm5_jax.serve.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from glm5_jax.serve.server_config import ApiKey, ServerConfig
@@ -44,26 +45,8 @@ MAX_COMPLETION_LOGPROBS = 5  # the OpenAI limit for /v1/completions; chat allows
 SYSTEM_FINGERPRINT = "glm5-jax"
 # Endpoints counted by name in glm5_requests_total; anything else is "other" (bounded label values).
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-
-
-class APIError(Exception):
-    """An error answered as {"error": {...}} with the given HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: Mapping[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.headers = dict(headers or {})
-
-
-def _error_body(message: str, kind="invalid_request_error", param=None, code=None) -> dict:
-    return {"message": message, "type": kind, "param": param, "code": code}
-
-
-def _error_response(status: int, message: str, param=None, code=None, kind="invalid_request_error",
-                    headers=None):
-    return JSONResponse({"error": _error_body(message, kind, param, code)}, status_code=status,
-                        headers=headers)
+# Far above any prompt the context allows (128k token ids as JSON are ~1 MB), far below memory trouble.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 # ---------------------------------------------------------------- request bodies
@@ -127,11 +110,31 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def _parse(request: Request, model: type[BaseModel]):
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over max_bytes: by its Content-Length
+    up front, else (chunked) by counting while it streams in, so no oversized body is held."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server's limit of {max_bytes} bytes",
+                    code="request_too_large")
+
+
+async def _parse(request: Request, model: type[BaseModel], max_bytes: int):
     """The JSON body as `model`. Parsed here rather than by FastAPI so that a body sent without a JSON
     Content-Type (curl -d) still works and malformed JSON gets a clear message."""
     try:
-        data = json.loads(await request.body())
+        data = json.loads(await _read_body(request, max_bytes))
     except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
         raise APIError(400, f"The request body is not valid JSON: {exc}") from exc
     return model.model_validate(data)  # a ValidationError becomes a 400 in the app's handler
@@ -193,7 +196,8 @@ def _bearer_token(request: Request) -> str | None:
 # ---------------------------------------------------------------- the app
 def create_app(engine, model_id: str, *, api_key: str | None = None, chat_template: str | None = None,
                special_tokens: Mapping[str, str] | None = None, server_config: ServerConfig | None = None,
-               metrics: ServerMetrics | None = None, clock=time.monotonic) -> FastAPI:
+               metrics: ServerMetrics | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               clock=time.monotonic) -> FastAPI:
     """The API app for `engine` serving `model_id`.
 
     api_key: when set, /v1/* requires `Authorization: Bearer <api_key>` (at the default limits).
@@ -202,7 +206,12 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     eos_token from the engine's first EOS id).
     server_config: model aliases, API keys and their limits (server_config.load_server_config).
     metrics: the ServerMetrics also given to the engine as its observer; None makes one that only
-    sees the HTTP layer. clock: the rate limiter's clock (seconds), for tests.
+    sees the HTTP layer. max_body_bytes: larger request bodies get 413. clock: the rate limiter's
+    clock (seconds), for tests.
+
+    The engine contract beyond submit(): submit raises QueueFullError (answered 503 + Retry-After) or
+    EngineUnavailableError (503); a stream may end with finish_reason "error" (a generic 500, or a
+    final SSE error event); engine.failure (None while healthy) makes /health answer 503.
     """
     config = server_config or ServerConfig()
     metrics = metrics or ServerMetrics()
@@ -210,7 +219,7 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     eos_token = {"eos_token": tokenizer.id_to_token(engine.eos_token_ids[0])} if engine.eos_token_ids else {}
     renderer = ChatRenderer(chat_template, {**eos_token, **dict(special_tokens or {})})
     app = FastAPI(title="glm5-jax", docs_url=None, redoc_url=None, openapi_url=None)
-    _add_error_handlers(app)
+    add_error_handlers(app)
     keys = list(config.api_keys)
     if api_key is not None and all(k.key != api_key for k in keys):
         keys.append(ApiKey(name="api-key", key=api_key, limits=config.default_limits))
@@ -219,7 +228,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     names = dict.fromkeys((model_id, *config.model_aliases))  # ordered, no duplicates
 
     async def check_api_key(request: Request):
-        """Finds the caller's key entry (request.state.caller); unknown keys get the default limits."""
+        """Finds the caller's key entry (request.state.caller); all unknown keys (and no key) are one
+        "default" caller, sharing one window at the default limits."""
         token = _bearer_token(request)
         # compare_digest against every key: the time taken does not tell which key almost matched.
         matches = [k for k in keys if token is not None
@@ -227,7 +237,7 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         if not matches and require_key:
             raise APIError(401, "Missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
-        default = ApiKey("default", token or "", config.default_limits)
+        default = ApiKey("default", "", config.default_limits)
         request.state.caller = matches[0] if matches else default
 
     def check_model(model: str | None) -> None:
@@ -301,7 +311,7 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         try:
             return AccountedGeneration(engine, prompt_ids, params, reservation, metrics)
         except BaseException:
-            reservation.settle(0)  # refused by the engine: nothing to charge but the request
+            reservation.cancel()  # refused by the engine (a full queue, say): a retry must not be charged
             raise
 
     v1 = APIRouter(dependencies=[Depends(check_api_key)])
@@ -309,6 +319,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
 
     @app.get("/health")
     async def health():
+        if engine.failure is not None:  # for load balancers and supervisors: take this one out
+            return JSONResponse({"status": "unavailable", "reason": engine.failure}, status_code=503)
         # The compile count shows recompilation in steady state (it should stop growing).
         return {"status": "ok", "compile_count": engine.compile_count}
 
@@ -326,7 +338,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
 
     @v1.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(request, CompletionRequest)
+        request.state.request_id = request_id = f"cmpl-{uuid.uuid4().hex}"
+        body = await _parse(request, CompletionRequest, max_body_bytes)
         check_model(body.model)
         if body.best_of not in (None, 1) or body.suffix:
             param = "suffix" if body.suffix else "best_of"
@@ -344,13 +357,13 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
                                     f"got a list of {len(prompt)}", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode(prompt).ids if prompt else []
+            prompt_ids = (await asyncio.to_thread(tokenizer.encode, prompt)).ids if prompt else []
         else:
             check_token_ids(prompt, "prompt")
             prompt_ids = list(prompt)
+        echo = await asyncio.to_thread(tokenizer.decode, prompt_ids) if body.echo else ""
         generation = start(request, body, prompt_ids, params, "prompt")
-        echo = tokenizer.decode(prompt_ids) if body.echo else ""
-        base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model_id, "system_fingerprint": SYSTEM_FINGERPRINT}
         offset = 0  # where the next piece's text starts, for logprobs.text_offset (never with echo)
 
@@ -372,7 +385,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
 
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, ChatRequest)
+        request.state.request_id = request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        body = await _parse(request, ChatRequest, max_body_bytes)
         check_model(body.model)
         if body.response_format and body.response_format.get("type", "text") != "text":
             raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
@@ -386,17 +400,21 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         params = sampling_params(body, getattr(body, max_param), engine.max_context,
                                  top if body.logprobs else None, max_param)
         messages = [message.model_dump(exclude_none=True) for message in body.messages]
-        try:
+
+        def prompt_ids():
             prompt = renderer.render(messages, tools=body.tools, **(body.chat_template_kwargs or {}))
+            # The template already wrote the special tokens ([gMASK]<sop>, ...): add none of our own.
+            return tokenizer.encode(prompt, add_special_tokens=False).ids
+
+        try:
+            ids = await asyncio.to_thread(prompt_ids)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), "messages") from exc
         except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. the template adds str and int
             raise APIError(400, f"messages: the chat template rejected the conversation: {exc}",
                            "messages") from exc
-        # The template already wrote the special tokens ([gMASK]<sop>, ...): add none of our own.
-        generation = start(request, body, tokenizer.encode(prompt, add_special_tokens=False).ids, params,
-                           "messages")
-        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+        generation = start(request, body, ids, params, "messages")
+        base = {"id": request_id, "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": model_id, "system_fingerprint": SYSTEM_FINGERPRINT}
 
         def choice(events, finish, **fields):  # events None: a chunk without tokens (role, finish)
@@ -426,12 +444,17 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
 async def _respond(request: Request, body: _SamplingRequest, generation: AccountedGeneration, base: dict,
                    first_chunks: list[dict], chunks, response):
     """Streams SSE chunks (first_chunks, then chunks(piece) for each piece, the usage chunk when asked,
-    then [DONE]) or waits for the whole output and returns response(text, events)."""
+    then [DONE]) or waits for the whole output and returns response(text, events). A request that
+    fails in the engine (finish_reason "error") gets a generic 500, or ends its stream with an error
+    event and [DONE]; what went wrong goes to the log only."""
     if not body.stream:
         try:
             result = await _collect(request, generation)
         finally:
             generation.close()
+        if generation.finish_reason == "error":
+            _log_engine_error(base["id"], generation)
+            raise APIError(500, internal_error_message(base["id"]), kind="server_error")
         # 499: nobody is listening any more (the engine request was cancelled).
         return Response(status_code=499) if result is None else response(*result)
     include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -444,51 +467,34 @@ async def _respond(request: Request, body: _SamplingRequest, generation: Account
     async def events():
         for chunk in first_chunks:
             yield sse(chunk)
+        failed = False
         try:
             async with contextlib.aclosing(generation.pieces()) as pieces:
                 async for piece in pieces:
+                    if piece.finish_reason == "error":  # send what was generated, then the error
+                        failed, piece = True, Piece(piece.text, piece.events)
+                        if not (piece.text or piece.events):
+                            continue
                     for chunk in chunks(piece):
                         yield sse(chunk)
-        except Exception as exc:  # the engine failed mid-stream: too late for a status code
+            if failed:
+                _log_engine_error(base["id"], generation)
+        except Exception:  # a bug mid-stream: too late for a status code
             logger.exception("request %s failed", base["id"])
-            yield f"data: {json.dumps({'error': _error_body(str(exc), 'server_error')})}\n\n"
+            failed = True
         finally:
             generation.close()
-        if include_usage:
+        if failed:
+            error = error_body(internal_error_message(base["id"]), "server_error")
+            yield f"data: {json.dumps({'error': error})}\n\n"
+        elif include_usage:
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': generation.usage()})}\n\n"
         yield "data: [DONE]\n\n"
 
     return _SSEResponse(events(), media_type="text/event-stream")
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_, exc: APIError):
-        return _error_response(exc.status, exc.message, exc.param, exc.code, exc.kind, exc.headers)
-
-    @app.exception_handler(InvalidRequestError)
-    async def _invalid(_, exc: InvalidRequestError):
-        # SamplingParams.validate() starts its messages with the parameter's name.
-        message = str(exc)
-        first_word = message.split(" ", 1)[0]
-        return _error_response(400, message, first_word if first_word in _PARAM_NAMES else None)
-
-    @app.exception_handler(ValidationError)
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_, exc: ValidationError | RequestValidationError):
-        # The first problem only, named by its path (e.g. "messages.0.role"); param is the top-level field.
-        first = exc.errors()[0]
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        return _error_response(400, f"{'.'.join(loc) or 'body'}: {first.get('msg')}", loc[0] if loc else None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(exc.status_code, str(exc.detail), kind=kind)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_, exc: Exception):  # a bug or an engine failure, not the client's doing
-        return _error_response(500, f"Internal error: {type(exc).__name__}: {exc}", kind="server_error")
-
-
-_PARAM_NAMES = frozenset(field.name for field in dataclasses.fields(SamplingParams)) | {"prompt", "messages"}
+def _log_engine_error(request_id: str, generation: AccountedGeneration) -> None:
+    # The engine logs the cause with its traceback; this ties it to the HTTP request.
+    logger.error("request %s failed in the engine (engine request %s)", request_id,
+                 generation.stream.request_id)

@@ -1,46 +1,58 @@
-"""The continuous-batching inference engine on a paged latent cache.
+"""The continuous-batching inference engine: a supervised thread that runs the scheduler's plans
+on the model runner and turns sampled tokens into request events.
 
-A background thread owns the model state: a pool of cache pages (glm5_jax.model.paged_decode),
-their bookkeeping (glm5_jax.serve.paged_cache: allocator, prefix cache, host offload) and the
-per-slot sampler state. Each iteration it
-  1. drops cancelled requests and admits waiting ones into free slots when their uncached
-     prompt fits in the free pages (prefix-cache hits are taken at admission);
-  2. plans one step of at most `token_budget` tokens: one decode token per running sequence
-     first, then prefill chunks of the waiting prompts (chunked prefill: a long prompt is spread
-     over several steps and never stalls running requests), allocating pages as positions need
-     them; when pages run out, the most recently admitted sequence is preempted: its pages are
-     released and it is requeued at the front with prompt + generated tokens, to be recomputed
-     (mostly from the prefix cache) later, its stream continuing without repeats;
-  3. runs ONE jitted `paged_step` over the flat token batch, padded to one of two budgets (a small
-     one for decode-only steps), so the compile count stays constant in steady state;
-  4. samples the sequences whose pending tokens are all computed and hands out their events;
-     full pages are registered in the prefix cache.
+Layers: `glm5_jax.serve.scheduler` decides what each step computes (pure Python: admission,
+chunked prefill, preemption, prefix cache, pages); `glm5_jax.serve.runner` owns the device state
+and runs the jitted programs (a mixed prefill/decode step, or several decode steps in one call);
+this module owns requests: it validates and queues them, applies each plan, checks EOS, stop
+token ids and lengths on the host (tokens a multi-step call produced past a request's end are
+discarded, never sent) and delivers events to the request's asyncio stream.
+
+Supervision: a step that raises fails only the requests in it (each ends with finish_reason
+"error"); if it destroyed the page pool, every running request fails and the pool is rebuilt.
+After `max_consecutive_failures` failing steps in a row the engine stops: `failure` says why,
+`submit` raises EngineUnavailableError, and serve.py exits non-zero for its supervisor.
+A preempted request keeps its sampler state (key, token counts) and resumes exactly where it was.
 Compilations are counted from JAX's own compile events.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tokenizers
 
 from glm5_jax.model.config import ModelConfig
-from glm5_jax.model.paged_decode import init_paged_cache, paged_step, read_page, write_page
+from glm5_jax.model.paged_decode import DEFAULT_BLOCK_POSITIONS, StepBatch
 from glm5_jax.serve.observer import EngineObserver
-from glm5_jax.serve.paged_cache import PageAllocator, page_hashes
-from glm5_jax.serve.sampling import init_sampling_state, sample, set_slot
-from glm5_jax.serve.types import MAX_TOP_LOGPROBS, GenerationEvent, InvalidRequestError, SamplingParams
+from glm5_jax.serve.paged_cache import PageAllocator
+from glm5_jax.serve.runner import MAX_STOP_IDS, ModelRunner, Sampled
+from glm5_jax.serve.scheduler import (
+    DecodePlan,
+    MixedPlan,
+    Scheduler,
+    Sequence,
+    chunk_geometries,
+    decode_buckets,
+)
+from glm5_jax.serve.types import (
+    EngineUnavailableError,
+    GenerationEvent,
+    InvalidRequestError,
+    SamplingParams,
+)
+
+logger = logging.getLogger(__name__)
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_SMALL_BUDGET = 64
+DEFAULT_DECODE_STEPS = 8
 
 
 class RequestStream:
@@ -83,30 +95,15 @@ class RequestStream:
                 return
 
 
-@dataclasses.dataclass
-class _Sequence:
-    """A request's engine-side state; survives preemption (then slot is None, pages empty)."""
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    """The engine's per-request data, carried by its scheduler Sequence."""
 
     stream: RequestStream
-    tokens: list[int]  # prompt + generated; tokens[computed:] still have to run through the model
-    max_new: int
     seed: int
-    slot: int | None = None
-    computed: int = 0
-    generated: int = 0
-    pages: list[int] = dataclasses.field(default_factory=list)
-    hashes: list[bytes] = dataclasses.field(default_factory=list)  # of pages[:len(hashes)]
-    cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first admission)
+    saved_sampler: object = None  # the slot's sampler state when it was last preempted
     first_token_at: float | None = None
-
-
-@jax.jit
-def _sample_rows(logits, state, mask):
-    """Samples every slot but keeps the sampler state (keys, counts) of slots where mask [S] is
-    False, i.e. slots that are mid-prefill or idle this step."""
-    tokens, logprobs, top_ids, top_logprobs, new = sample(logits, state, MAX_TOP_LOGPROBS)
-    keep = lambda a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
-    return tokens, logprobs, top_ids, top_logprobs, jax.tree.map(keep, new, state)
 
 
 class Engine:
@@ -115,16 +112,20 @@ class Engine:
     def __init__(self, config: ModelConfig, params, tokenizer: tokenizers.Tokenizer | None, *,
                  max_slots: int = 8, max_context: int = 1024, seed: int | None = None, page_size: int = 16,
                  num_pages: int | None = None, token_budget: int = 256, prefix_caching: bool = True,
-                 host_cache_pages: int = 0, observer: EngineObserver | None = None):
+                 host_cache_pages: int = 0, observer: EngineObserver | None = None,
+                 max_waiting: int | None = None, decode_steps: int = DEFAULT_DECODE_STEPS, options=None,
+                 block_positions: int = DEFAULT_BLOCK_POSITIONS, max_consecutive_failures: int = 3):
         if max_slots < 1 or max_context < 2:
             raise ValueError(f"max_slots ({max_slots}) must be >= 1 and max_context ({max_context}) >= 2")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if token_budget < max_slots:
-            raise ValueError(f"token_budget ({token_budget}) must be >= max_slots ({max_slots}): every "
-                             "running sequence needs a decode token per step")
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1 (prefill tokens per step), got {token_budget}")
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1 (or None for unbounded), got {max_waiting}")
         self.config = config
-        self.params = params
         self.tokenizer = tokenizer
         self.max_slots = max_slots
         self.max_context = min(max_context, config.max_position_embeddings)
@@ -136,28 +137,49 @@ class Engine:
             raise ValueError(f"num_pages ({num_pages}) must hold one full-context sequence: at least "
                              f"{self.max_pages} pages of {page_size} for max_context {self.max_context}")
         self.token_budget = token_budget
-        self._budgets = sorted({min(token_budget, max(_SMALL_BUDGET, max_slots)), token_budget})
-        self.prefix_caching = prefix_caching
+        self.decode_steps = decode_steps
+        self.max_consecutive_failures = max_consecutive_failures
         self.observer = observer or EngineObserver()
-        self._cache = init_paged_cache(config, num_pages, page_size)
-        self.pages = PageAllocator(num_pages, host_pages=host_cache_pages, offload=self._offload,
-                                   reload=self._reload)
-        self._sampling = init_sampling_state(max_slots, config.vocab_size)
-        self._slots: list[_Sequence | None] = [None] * max_slots
-        self._running: list[_Sequence] = []  # admission order (the last is preempted first)
-        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self.runner = ModelRunner(config, params, max_slots=max_slots, num_pages=num_pages,
+                                  page_size=page_size, max_pages=self.max_pages, options=options,
+                                  block_positions=block_positions)
+        self._host_cache_pages = host_cache_pages
+        self.scheduler = Scheduler(self._new_allocator(num_pages), max_slots=max_slots,
+                                   max_context=self.max_context, page_size=page_size,
+                                   token_budget=token_budget,
+                                   decode_steps=decode_steps, prefix_caching=prefix_caching,
+                                   max_waiting=max_waiting)
+        self.failure: str | None = None
+        self._lock = threading.Lock()  # guards the scheduler's queue between submit and the engine thread
+        self._tasks: list[tuple[callable, threading.Event]] = []  # run on the engine thread (warm-up)
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._ids = itertools.count()
         self._seed_source = np.random.default_rng(seed)
         self._compiles = 0
+        self._consecutive_failures = 0
         self.steps = 0
-        self.preemptions = 0
         jax.monitoring.register_event_duration_secs_listener(self._on_duration_event)
         self._thread = threading.Thread(target=self._run, name="glm5-engine", daemon=True)
         self._thread.start()
 
+    def _new_allocator(self, num_pages: int) -> PageAllocator:
+        return PageAllocator(num_pages, host_pages=self._host_cache_pages, offload=self._offload,
+                             reload=self._reload)
+
     # ------------------------------------------------------------------ public
+    @property
+    def pages(self) -> PageAllocator:
+        return self.scheduler.pages
+
+    @property
+    def params(self):
+        return self.runner.params
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
+
     @property
     def compile_count(self) -> int:
         """XLA compilations since the engine started (steady state adds none)."""
@@ -165,9 +187,13 @@ class Engine:
 
     @property
     def active_requests(self) -> int:
-        return sum(slot is not None for slot in self._slots)
+        return sum(slot is not None for slot in self.scheduler.slots)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queues a request. Raises InvalidRequestError (bad input), QueueFullError (the waiting
+        queue is at max_waiting) or EngineUnavailableError (the engine has failed)."""
+        if self.failure is not None:
+            raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
         params.validate()
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
@@ -181,11 +207,25 @@ class Engine:
                                asyncio.get_running_loop())
         seed = params.seed if params.seed is not None else int(self._seed_source.integers(2**62))
         max_new = min(params.max_tokens, self.max_context - len(prompt_ids))
-        sequence = _Sequence(stream, list(prompt_ids), max_new, seed)
+        sequence = Sequence(stream.request_id, list(prompt_ids), len(prompt_ids), max_new,
+                            payload=_Request(stream, seed))
+        with self._lock:
+            self.scheduler.add(sequence)  # QueueFullError when full
         self.observer.on_queued(stream.request_id, len(prompt_ids))
-        self._waiting.append(sequence)
         self._wakeup.set()
         return stream
+
+    def warm_up(self, timeout: float = 600.0) -> None:
+        """Compiles every step shape (decode row buckets, chunk geometries), sampler slot setup
+        and page copies on the engine thread, so that requests do not pay for compilation."""
+        done = threading.Event()
+        with self._lock:
+            self._tasks.append((self._compile_all, done))
+        self._wakeup.set()
+        if not done.wait(timeout):
+            raise TimeoutError(f"warm-up did not finish within {timeout} s")
+        if self.failure is not None:
+            raise EngineUnavailableError(f"the engine failed during warm-up: {self.failure}")
 
     def shutdown(self) -> None:
         """Stops the engine thread; unfinished requests end with "abort"."""
@@ -200,192 +240,207 @@ class Engine:
             self._compiles += 1
 
     def _offload(self, page: int):
-        return jax.tree.map(np.asarray, read_page(self._cache, jnp.int32(page)))
+        return self.runner.read_page(page)
 
     def _reload(self, page: int, data) -> None:
-        self._cache = write_page(self._cache, jnp.int32(page), data)
+        self.runner.write_page(page, data)
 
     def _run(self) -> None:
+        reason = "abort"
         try:
             while not self._stopping.is_set():
-                self._drop_cancelled()
-                self._admit()
-                if self._running:
-                    self._step()
-                else:
-                    self._wakeup.wait(timeout=0.5)
-                    self._wakeup.clear()
+                with self._lock:
+                    tasks, self._tasks = self._tasks, []
+                    self._drop_cancelled()
+                    self._admit()
+                    plan = self.scheduler.plan()
+                    if plan is not None:
+                        self._save_preempted(plan.preempted)
+                while tasks:
+                    task, done = tasks[0]
+                    try:
+                        task()
+                    finally:
+                        done.set()
+                        tasks.pop(0)
+                if plan is None:
+                    if not tasks:
+                        self._wakeup.wait(timeout=0.5)
+                        self._wakeup.clear()
+                    continue
+                if not self._execute(plan):
+                    reason = "error"
+                    return
+        except Exception as exc:  # a bug outside a model step: stop rather than hang requests
+            logger.exception("the engine thread failed")
+            self.failure = f"engine thread error: {type(exc).__name__}: {exc}"
+            reason = "error"
         finally:
-            for sequence in list(self._running):
-                self._finish(sequence, GenerationEvent(None, finish_reason="abort"))
-            while self._waiting:
-                self._finish(self._waiting.popleft(), GenerationEvent(None, finish_reason="abort"))
+            with self._lock:
+                for sequence in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._finish(sequence, GenerationEvent(None, finish_reason=reason, error=self.failure))
+                for _, done in self._tasks:
+                    done.set()
 
-    def _drop_cancelled(self) -> None:
-        for sequence in [s for s in self._running if s.stream.cancelled.is_set()]:
-            self._finish(sequence, GenerationEvent(None, finish_reason="abort"))
-
-    def _release(self, sequence: _Sequence) -> None:
-        # Last page first: in the LRU order a prefix's tail is evicted before its head.
-        for page in reversed(sequence.pages):
-            self.pages.release(page)
-        sequence.pages, sequence.hashes = [], []
-        if sequence.slot is not None:
-            self._slots[sequence.slot] = None
-            sequence.slot = None
-        if sequence in self._running:
-            self._running.remove(sequence)
-
-    def _finish(self, sequence: _Sequence, event: GenerationEvent) -> None:
-        self._release(sequence)
-        cached, stream = sequence.cached_tokens or 0, sequence.stream
-        # Observer first: a client that sees the end of its stream also sees the metrics updated.
-        self.observer.on_finished(stream.request_id, event.finish_reason, stream.prompt_tokens, cached,
-                                  sequence.generated, time.perf_counter() - stream.submitted_at)
-        stream._deliver(dataclasses.replace(event, cached_tokens=cached))
-
-    # ------------------------------------------------------------------ admission
-    def _admit(self) -> None:
-        while self._waiting and None in self._slots:
-            sequence = self._waiting[0]
-            if sequence.stream.cancelled.is_set():
-                self._waiting.popleft()
-                self._finish(sequence, GenerationEvent(None, finish_reason="abort"))
-                continue
-            if not self._try_admit(sequence):
-                return  # head-of-line: wait for pages rather than starve long prompts
-            self._waiting.popleft()
-
-    def _try_admit(self, sequence: _Sequence) -> bool:
-        tokens = sequence.tokens
-        pages, keys = [], []
-        if self.prefix_caching:
-            # At most (len - 1) // page pages: the last token is always computed (its logits sample).
-            keys = page_hashes(tokens, self.page_size, (len(tokens) - 1) // self.page_size)
-            pages, _ = self.pages.match(keys)
-            self.observer.on_prefix_lookup(len(tokens), len(pages) * self.page_size)
-        needed = -(-len(tokens) // self.page_size) - len(pages)
-        if needed > self.pages.available and self._running:
-            for page in reversed(pages):
-                self.pages.release(page)
-            return False
-        sequence.pages, sequence.hashes = pages, keys[:len(pages)]
-        sequence.computed = len(pages) * self.page_size
-        sequence.slot = self._slots.index(None)
-        self._slots[sequence.slot] = sequence
-        self._running.append(sequence)
-        stream = sequence.stream
-        self._sampling = set_slot(self._sampling, sequence.slot, stream.params, stream.prompt_ids,
-                                  sequence.seed)
-        if sequence.cached_tokens is None:  # first admission (not a return from preemption)
-            sequence.cached_tokens = stream.cached_tokens = sequence.computed
-            self.observer.on_admitted(stream.request_id, time.perf_counter() - stream.submitted_at,
-                                      sequence.computed)
-        return True
-
-    def _preempt(self, sequence: _Sequence) -> None:
-        """Frees the sequence's pages and requeues it at the front; computed tokens are redone."""
-        self._release(sequence)
-        sequence.computed = 0
-        self._waiting.appendleft(sequence)
-        self.preemptions += 1
-        self.observer.on_preempted(sequence.stream.request_id)
-
-    # ------------------------------------------------------------------ one step
-    def _grow(self, sequence: _Sequence, end: int) -> bool:
-        """Allocates pages until `sequence` covers positions < end, preempting the most recently
-        admitted sequences as needed. False if `sequence` itself had to be preempted."""
-        while len(sequence.pages) * self.page_size < end:
-            page = self.pages.allocate()
-            if page is None:
-                victim = self._running[-1]
-                self._preempt(victim)
-                if victim is sequence:
-                    return False
-                continue
-            sequence.pages.append(page)
-        return True
-
-    def _plan(self) -> list[tuple[_Sequence, int]]:
-        """(sequence, token count) for this step: decodes first, then prefill chunks, within budget."""
-        plan, room = [], self.token_budget
-        decodes = [s for s in self._running if len(s.tokens) - s.computed == 1]
-        prefills = [s for s in self._running if len(s.tokens) - s.computed > 1]
-        for sequence in decodes + prefills:
-            if room == 0:
-                break
-            if sequence not in self._running:  # preempted earlier in this plan
-                continue
-            count = min(len(sequence.tokens) - sequence.computed, room)
-            if self._grow(sequence, sequence.computed + count):
-                plan.append((sequence, count))
-                room -= count
-        # Growing a later sequence may have preempted one planned earlier.
-        return [(s, n) for s, n in plan if s in self._running]
-
-    def _step(self) -> None:
-        plan = self._plan()
-        if not plan:
-            return
-        used = sum(count for _, count in plan)
-        budget = next(b for b in self._budgets if b >= used)
-        tokens = np.zeros(budget, np.int32)
-        positions = np.full(budget, -1, np.int32)
-        tables = np.zeros((budget, self.max_pages), np.int32)
-        rows = np.zeros(self.max_slots, np.int32)
-        sampling = np.zeros(self.max_slots, bool)
-        start = 0
-        for sequence, count in plan:
-            end = start + count
-            tokens[start:end] = sequence.tokens[sequence.computed:sequence.computed + count]
-            positions[start:end] = np.arange(sequence.computed, sequence.computed + count)
-            tables[start:end, :len(sequence.pages)] = sequence.pages
-            if sequence.computed + count == len(sequence.tokens):
-                rows[sequence.slot], sampling[sequence.slot] = end - 1, True
-            start = end
-        logits, self._cache = paged_step(self.config, self.params, self._cache, jnp.asarray(tokens),
-                                         jnp.asarray(positions), jnp.asarray(tables), jnp.asarray(rows))
-        chosen, logprobs, top_ids, top_logprobs, self._sampling = _sample_rows(
-            logits, self._sampling, jnp.asarray(sampling))
-        chosen, logprobs = np.asarray(chosen), np.asarray(logprobs)
-        top_ids, top_logprobs = np.asarray(top_ids), np.asarray(top_logprobs)
+    def _execute(self, plan) -> bool:
+        """Runs one plan; False once failures repeat and the engine must stop."""
+        if isinstance(plan, DecodePlan):
+            sequences = plan.sequences
+        else:
+            sequences = plan.decodes + [s for s, _ in plan.chunks]
+        try:
+            if isinstance(plan, DecodePlan):
+                self._decode(plan)
+            else:
+                self._mixed(plan)
+        except Exception as exc:
+            logger.exception("a model step failed; failing its %d requests", len(sequences))
+            message = f"{type(exc).__name__}: {exc}"
+            self._consecutive_failures += 1
+            with self._lock:
+                for sequence in sequences:
+                    if sequence.slot is not None:
+                        self._finish(sequence, GenerationEvent(None, finish_reason="error", error=message))
+                if self.runner.cache_lost():
+                    # The failing call consumed the page pool: nothing cached can be trusted.
+                    for sequence in list(self.scheduler.running):
+                        self._finish(sequence, GenerationEvent(None, finish_reason="error", error=message))
+                    self.runner.reset()
+                    self.scheduler.pages = self._new_allocator(self.scheduler.pages.num_pages)
+            if self._consecutive_failures >= self.max_consecutive_failures:
+                self.failure = f"{self._consecutive_failures} model steps failed in a row; last: {message}"
+                logger.error("engine stopping: %s", self.failure)
+                return False
+            return True
+        self._consecutive_failures = 0
         self.steps += 1
         if self.steps == 1 and self.pages.host_pages:
             # Compile the page copies for a cache that came out of a step (a fresh cache compiles
             # differently), not on the first eviction; writing page 0 back unchanged is a no-op.
             self._reload(0, self._offload(0))
-        for sequence, count in plan:
-            sequence.computed += count
-            self._register_full_pages(sequence)
-            if sampling[sequence.slot]:
-                slot = sequence.slot
-                self._emit(sequence, int(chosen[slot]), float(logprobs[slot]), top_ids[slot],
-                           top_logprobs[slot])
-        self.observer.on_step(self.pages.used, self.pages.num_pages, self.pages.host_used, len(self._running),
-                              len(self._waiting), self._compiles)
+        pages = self.pages
+        self.observer.on_step(pages.used, pages.num_pages, pages.host_used, len(self.scheduler.running),
+                              len(self.scheduler.waiting), self._compiles)
+        return True
 
-    def _register_full_pages(self, sequence: _Sequence) -> None:
-        if not self.prefix_caching:
+    def _drop_cancelled(self) -> None:
+        for sequence in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if sequence.payload.stream.cancelled.is_set():
+                self._finish(sequence, GenerationEvent(None, finish_reason="abort"))
+
+    def _finish(self, sequence: Sequence, event: GenerationEvent) -> None:
+        self.scheduler.release(sequence)
+        request = sequence.payload
+        stream, cached = request.stream, sequence.cached_tokens or 0
+        if stream.finished:
             return
-        full = sequence.computed // self.page_size
-        if full > len(sequence.hashes):
-            parent = sequence.hashes[-1] if sequence.hashes else b""
-            start = len(sequence.hashes)
-            new = page_hashes(sequence.tokens[start * self.page_size:], self.page_size, full - start, parent)
-            for page, key in zip(sequence.pages[start:full], new, strict=True):
-                self.pages.register(page, key)
-            sequence.hashes += new
+        # Observer first: a client that sees the end of its stream also sees the metrics updated.
+        self.observer.on_finished(stream.request_id, event.finish_reason, stream.prompt_tokens, cached,
+                                  sequence.generated, time.perf_counter() - stream.submitted_at)
+        stream._deliver(dataclasses.replace(event, cached_tokens=cached))
 
-    def _emit(self, sequence: _Sequence, token: int, logprob: float, top_ids, top_logprobs) -> None:
-        params = sequence.stream.params
+    def _admit(self) -> None:
+        for sequence in self.scheduler.admit():
+            request = sequence.payload
+            if request.saved_sampler is not None:  # back from preemption: resume its key and counts
+                self.runner.write_slot(sequence.slot, request.saved_sampler)
+            else:
+                stream = request.stream
+                self.runner.set_slot(sequence.slot, stream.params, stream.prompt_ids, request.seed)
+                stream.cached_tokens = sequence.cached_tokens
+                self.observer.on_admitted(stream.request_id, time.perf_counter() - stream.submitted_at,
+                                          sequence.cached_tokens)
+        for prompt_tokens, hit_tokens in self.scheduler.prefix_lookups:
+            self.observer.on_prefix_lookup(prompt_tokens, hit_tokens)
+        self.scheduler.prefix_lookups.clear()
+
+    def _save_preempted(self, preempted: list[tuple[Sequence, int]]) -> None:
+        for sequence, slot in preempted:
+            sequence.payload.saved_sampler = self.runner.read_slot(slot)
+            self.observer.on_preempted(sequence.request_id)
+
+    # ------------------------------------------------------------------ plans
+    def _stop_ids(self, sequence: Sequence) -> list[int]:
+        params = sequence.payload.stream.params
+        ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+        return ids[:MAX_STOP_IDS]
+
+    def _decode(self, plan: DecodePlan) -> None:
+        rows = next(b for b in decode_buckets(self.max_slots) if b >= len(plan.sequences))
+        tokens, positions = np.zeros(rows, np.int32), np.full(rows, -1, np.int32)
+        tables = np.zeros((rows, self.runner.table_width), np.int32)
+        slots, remaining = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        stop_ids = np.full((rows, MAX_STOP_IDS), -1, np.int32)
+        for row, sequence in enumerate(plan.sequences):
+            tokens[row], positions[row] = sequence.tokens[-1], sequence.computed
+            tables[row], slots[row] = self.runner.table(sequence.pages), sequence.slot
+            remaining[row] = sequence.max_new - sequence.generated
+            ids = self._stop_ids(sequence)
+            stop_ids[row, :len(ids)] = ids
+        sampled = self.runner.decode(tokens, positions, tables, slots, remaining, stop_ids, plan.steps)
+        with self._lock:
+            for step in range(plan.steps):
+                for row, sequence in enumerate(plan.sequences):
+                    token = int(sampled.tokens[step, row])
+                    if token < 0 or sequence.slot is None:  # the device stopped it, or the host did
+                        continue
+                    self.scheduler.computed(sequence, 1)
+                    self._emit(sequence, token, sampled, (step, row))
+
+    def _mixed(self, plan: MixedPlan) -> None:
+        chunk_rows, chunk_len = plan.geometry
+        decode_rows = self.max_slots
+        batch = StepBatch(np.zeros(decode_rows, np.int32), np.full(decode_rows, -1, np.int32),
+                          np.zeros((chunk_rows, chunk_len), np.int32),
+                          np.full((chunk_rows, chunk_len), -1, np.int32),
+                          np.zeros((decode_rows + chunk_rows, self.runner.table_width), np.int32))
+        sample_rows, slots = np.zeros(self.max_slots, np.int32), np.zeros(self.max_slots, np.int32)
+        mask = np.zeros(self.max_slots, bool)
+        sampled_index = {}
+
+        def sample_from(sequence, flat_row):
+            index = len(sampled_index)
+            sample_rows[index], slots[index], mask[index] = flat_row, sequence.slot, True
+            sampled_index[sequence] = index
+
+        for row, sequence in enumerate(plan.decodes):
+            batch.decode_tokens[row], batch.decode_positions[row] = sequence.tokens[-1], sequence.computed
+            batch.block_tables[row] = self.runner.table(sequence.pages)
+            sample_from(sequence, row)
+        for row, (sequence, count) in enumerate(plan.chunks):
+            start = sequence.computed
+            batch.chunk_tokens[row, :count] = sequence.tokens[start:start + count]
+            batch.chunk_positions[row, :count] = np.arange(start, start + count)
+            batch.block_tables[decode_rows + row] = self.runner.table(sequence.pages)
+            if start + count == len(sequence.tokens):
+                sample_from(sequence, decode_rows + row * chunk_len + count - 1)
+        sampled = self.runner.mixed_step(batch, sample_rows, slots, mask)
+        with self._lock:
+            for sequence in plan.decodes:
+                if sequence.slot is not None:
+                    self.scheduler.computed(sequence, 1)
+                    self._emit(sequence, int(sampled.tokens[sampled_index[sequence]]), sampled,
+                               sampled_index[sequence])
+            for sequence, count in plan.chunks:
+                if sequence.slot is None:
+                    continue
+                self.scheduler.computed(sequence, count)
+                if sequence in sampled_index:
+                    index = sampled_index[sequence]
+                    self._emit(sequence, int(sampled.tokens[index]), sampled, index)
+
+    def _emit(self, sequence: Sequence, token: int, sampled: Sampled, index) -> None:
+        request = sequence.payload
+        params = request.stream.params
         sequence.generated += 1
         sequence.tokens.append(token)
-        if sequence.first_token_at is None:
-            sequence.first_token_at = time.perf_counter()
-            self.observer.on_first_token(sequence.stream.request_id,
-                                         sequence.first_token_at - sequence.stream.submitted_at)
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+            self.observer.on_first_token(sequence.request_id,
+                                         request.first_token_at - request.stream.submitted_at)
         alternatives = ()
         if params.logprobs:
+            top_ids, top_logprobs = sampled.top_ids[index], sampled.top_logprobs[index]
             alternatives = tuple((int(i), float(p)) for i, p in
                                  zip(top_ids[:params.logprobs], top_logprobs[:params.logprobs], strict=True))
         reason = None
@@ -393,28 +448,38 @@ class Engine:
             reason = "stop"
         elif sequence.generated >= sequence.max_new:
             reason = "length"
-        event = GenerationEvent(token, logprob if params.logprobs is not None else None, alternatives, reason)
+        logprob = float(sampled.logprobs[index]) if params.logprobs is not None else None
+        event = GenerationEvent(token, logprob, alternatives, reason)
         if reason is None:
-            sequence.stream._deliver(event)
+            request.stream._deliver(event)
         else:
             self._finish(sequence, event)
 
+    # ------------------------------------------------------------------ warm-up
+    def _compile_all(self) -> None:
+        """Runs every step shape once on padding only (nothing written, no sampler state changes)."""
+        runner, width = self.runner, self.runner.table_width
+        for _ in range(2):  # the second round compiles what a cache that came out of a step needs
+            for rows in decode_buckets(self.max_slots):
+                none = np.full(rows, -1, np.int32)
+                runner.decode(np.zeros(rows, np.int32), none, np.zeros((rows, width), np.int32),
+                              np.zeros(rows, np.int32), np.zeros(rows, np.int32),
+                              np.full((rows, MAX_STOP_IDS), -1, np.int32), self.decode_steps)
+            for chunk_rows, chunk_len in chunk_geometries(self.token_budget):
+                batch = StepBatch(np.zeros(self.max_slots, np.int32), np.full(self.max_slots, -1, np.int32),
+                                  np.zeros((chunk_rows, chunk_len), np.int32),
+                                  np.full((chunk_rows, chunk_len), -1, np.int32),
+                                  np.zeros((self.max_slots + chunk_rows, width), np.int32))
+                zeros = np.zeros(self.max_slots, np.int32)
+                runner.mixed_step(batch, zeros, zeros, np.zeros(self.max_slots, bool))
+            runner.write_slot(0, runner.read_slot(0))
+            runner.set_slot(0, SamplingParams(), [0], 0)
+            if self.pages.host_pages:
+                self._reload(0, self._offload(0))
 
-def warm_up(engine: Engine, prompt_lengths=(1,), timeout: float = 600.0) -> None:
-    """Compiles both step budgets, the sampler and slot setup (the engine thread compiles the host
-    offload page copies after its first step), so that requests do not pay for compilation. Runs
-    the requests twice: the second round compiles what only a cache or sampler state that came
-    out of a step needs."""
-    longest = min(engine.max_context - 1, engine._budgets[0] + 1)  # a prompt that needs the big budget
-    lengths = tuple(prompt_lengths) + (longest,)
 
-    async def one(length):
-        stream = engine.submit([0] * length, SamplingParams(max_tokens=2, temperature=0.0))
-        async for _ in stream:
-            pass
-
-    async def all_lengths():
-        for _ in range(2):
-            await asyncio.wait_for(asyncio.gather(*(one(n) for n in lengths)), timeout)
-
-    asyncio.run(all_lengths())
+def warm_up(engine: Engine, prompt_lengths=(), timeout: float = 600.0) -> None:
+    """Compiles everything steady-state serving runs (see Engine.warm_up). prompt_lengths is
+    accepted for compatibility: every shape is compiled regardless of the prompts to come."""
+    del prompt_lengths
+    engine.warm_up(timeout)

@@ -8,12 +8,17 @@ tokens), keeping its admission time: unused output budget is given back, and usa
 under-counted while a request is running. A request larger than the whole token limit can never
 be admitted and is refused without a retry time.
 
+Configured keys have a window each; every other caller (any unlisted key, or none, when the server
+does not require a key) shares ONE window at the default limits, so a fresh bearer string never
+buys a fresh window, and the windows kept are bounded by the configured keys.
+
 Thread-safe (one lock); the clock is injectable so tests move time instead of sleeping.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import threading
@@ -24,6 +29,7 @@ from glm5_jax.serve.server_config import ApiKey, Limits
 
 WINDOW_SECONDS = 60.0
 UNLIMITED = Limits()
+_SHARED = object()  # the window of every caller without a configured key
 
 
 class RateLimited(Exception):
@@ -41,10 +47,12 @@ class _Entry:
 
 
 class Reservation:
-    """One admitted request's place in its key's window; settle() once with the real usage."""
+    """One admitted request's place in its key's window; settle() once with the real usage, or
+    cancel() when the request never ran (refused by the engine), which takes it out of the window."""
 
-    def __init__(self, limiter: RateLimiter | None, entry: _Entry | None):
-        self._limiter, self._entry = limiter, entry
+    def __init__(self, limiter: RateLimiter | None = None, window: collections.deque[_Entry] | None = None,
+                 entry: _Entry | None = None):
+        self._limiter, self._window, self._entry = limiter, window, entry
 
     def settle(self, tokens: int) -> None:
         if self._entry is not None and self._limiter is not None:
@@ -52,12 +60,20 @@ class Reservation:
                 self._entry.tokens = max(0, int(tokens))
             self._entry = None
 
+    def cancel(self) -> None:
+        if self._entry is not None and self._limiter is not None:
+            with self._limiter._lock:
+                with contextlib.suppress(ValueError):  # already slid out of the window
+                    self._window.remove(self._entry)
+            self._entry = None
+
 
 class RateLimiter:
     """Per-key sliding-window limits.
 
-    keys: the configured API keys with their limits; default: the limits of any other key
-    (including the anonymous "" key). clock: seconds, monotonic (time.monotonic by default).
+    keys: the configured API keys with their limits; default: the limits of the one window that
+    every other key (and the anonymous "" key) shares. clock: seconds, monotonic (time.monotonic by
+    default).
     """
 
     def __init__(self, keys: Iterable[ApiKey] = (), default: Limits = UNLIMITED,
@@ -66,14 +82,14 @@ class RateLimiter:
         self._default = default
         self._clock = clock
         self._lock = threading.Lock()
-        self._windows: dict[str, collections.deque[_Entry]] = {}
-        self._last_sweep = clock()
+        # Keyed by configured key, or _SHARED (an object no key string equals) for everyone else.
+        self._windows: dict[object, collections.deque[_Entry]] = {}
 
     def limits_for(self, key: str) -> Limits:
         return self._limits.get(key, self._default)
 
     def tracked_keys(self) -> int:
-        """Keys with requests in the window (bounded by the active keys; tests check memory with it)."""
+        """Windows kept (at most the configured keys + 1; tests check memory with it)."""
         with self._lock:
             return len(self._windows)
 
@@ -82,46 +98,32 @@ class RateLimiter:
         limits = self.limits_for(key)
         rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
         if rpm is None and tpm is None:
-            return Reservation(None, None)
+            return Reservation()
         if tpm is not None and tokens > tpm:
             raise RateLimited(f"This request needs up to {tokens} tokens (prompt + max_tokens), more than "
                               f"this key's limit of {tpm} tokens per minute; lower max_tokens or shorten "
                               "the prompt", "tokens", None)
+        listed = key in self._limits
+        who = "this API key" if listed else "all callers without a listed API key together"
         with self._lock:
             now = self._clock()
-            self._sweep(now)
-            window = self._windows.setdefault(key, collections.deque())
+            window = self._windows.setdefault(key if listed else _SHARED, collections.deque())
             while window and window[0].time <= now - WINDOW_SECONDS:
                 window.popleft()
             if rpm is not None and len(window) >= rpm:
                 # The oldest request leaving the window frees one slot.
                 wait = window[len(window) - rpm].time + WINDOW_SECONDS - now
-                self._drop_if_empty(key)
-                raise RateLimited(f"Rate limit reached: {rpm} requests per minute for this API key; "
+                raise RateLimited(f"Rate limit reached: {rpm} requests per minute for {who}; "
                                   f"retry in {math.ceil(wait)} s", "requests", _seconds(wait))
             used = sum(entry.tokens for entry in window)
             if tpm is not None and used + tokens > tpm:
                 wait = _token_wait(window, used + tokens - tpm, now)
-                self._drop_if_empty(key)
-                raise RateLimited(f"Rate limit reached: {tpm} tokens per minute for this API key "
+                raise RateLimited(f"Rate limit reached: {tpm} tokens per minute for {who} "
                                   f"({used} used in the last minute, this request needs up to {tokens}); "
                                   f"retry in {math.ceil(wait)} s", "tokens", _seconds(wait))
             entry = _Entry(now, int(tokens))
             window.append(entry)
-            return Reservation(self, entry)
-
-    def _sweep(self, now: float) -> None:
-        # Once a minute, forget keys with nothing in the window: any key string may arrive when
-        # require_api_key is off, and their windows must not pile up.
-        if now - self._last_sweep < WINDOW_SECONDS:
-            return
-        self._last_sweep = now
-        for key in [k for k, w in self._windows.items() if not w or w[-1].time <= now - WINDOW_SECONDS]:
-            del self._windows[key]
-
-    def _drop_if_empty(self, key: str) -> None:
-        if not self._windows.get(key):
-            self._windows.pop(key, None)
+            return Reservation(self, window, entry)
 
 
 def _token_wait(window: collections.deque[_Entry], excess: int, now: float) -> float:

@@ -68,16 +68,17 @@ def init_sampling_state(num_slots: int, vocab_size: int) -> SamplingState:
     """A state of `num_slots` slots with neutral parameters, empty history and seed-0 keys."""
     if num_slots < 1 or vocab_size < 1:
         raise ValueError(f"num_slots and vocab_size must be positive, got {num_slots}, {vocab_size}")
-    ones = jnp.ones((num_slots,), jnp.float32)
-    zeros = jnp.zeros((num_slots,), jnp.float32)
+    # Distinct buffers per field (not one shared `ones`): the engine donates the whole state.
+    ones = lambda: jnp.ones((num_slots,), jnp.float32)  # noqa: E731
+    zeros = lambda: jnp.zeros((num_slots,), jnp.float32)  # noqa: E731
     return SamplingState(
-        temperature=ones,
-        top_p=ones,
+        temperature=ones(),
+        top_p=ones(),
         top_k=jnp.zeros((num_slots,), jnp.int32),
-        min_p=zeros,
-        repetition_penalty=ones,
-        presence_penalty=zeros,
-        frequency_penalty=zeros,
+        min_p=zeros(),
+        repetition_penalty=ones(),
+        presence_penalty=zeros(),
+        frequency_penalty=zeros(),
         keys=make_keys([0] * num_slots),
         output_counts=jnp.zeros((num_slots, vocab_size), jnp.int32),
         prompt_mask=jnp.zeros((num_slots, vocab_size), jnp.bool_),

@@ -11,6 +11,21 @@ class InvalidRequestError(ValueError):
     """A request parameter is out of range; the message names the parameter."""
 
 
+class QueueFullError(Exception):
+    """Raised by engine.submit when the engine's bounded waiting queue is full (overload, not the
+    client's fault). retry_after: seconds the client should wait before retrying (the API answers 503
+    with it, rounded up to whole seconds >= 1, as Retry-After)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineUnavailableError(Exception):
+    """Raised by engine.submit once the engine has failed and cannot serve; the message (like
+    engine.failure) says why. The API answers 503; serve.py exits so that a supervisor restarts it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (OpenAI / vLLM semantics).
@@ -67,8 +82,10 @@ class GenerationEvent:
 
     finish_reason: None while generating; "stop" (EOS, a stop token id, or a stop string found
     by the API layer), "length" (max_tokens or the context limit reached) or "abort"
-    (cancelled, or the server shutting down). cached_tokens: on the final event, how many
-    prompt tokens were served from the prefix cache (device or host) instead of recomputed.
+    (cancelled, or the server shutting down) or "error" (the request failed inside the engine, e.g.
+    a model step raised: only the requests in that step fail; `error` then says why, for the log
+    only, never for the client). cached_tokens: on the final event, how many prompt tokens were
+    served from the prefix cache (device or host) instead of recomputed.
     """
 
     token_id: int | None
@@ -76,3 +93,4 @@ class GenerationEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: str | None = None
     cached_tokens: int = 0
+    error: str | None = None

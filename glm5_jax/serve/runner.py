@@ -1,0 +1,187 @@
+"""The model runner: owns the parameters, the page pool, the per-slot sampler state and the jitted
+device programs the engine calls (no scheduling decisions).
+
+- `mixed_step`: one `paged_step` over decode rows and prefill chunk rows, then sampling of the
+  slots whose pending tokens are all computed.
+- `decode`: up to `steps` decode steps in ONE device call (`decode_loop`): model step, sampling,
+  EOS / stop-token / length checks; rows that finish stop writing; all new tokens come back at
+  once. Pages for those steps are reserved by the scheduler beforehand.
+Shapes come from a few fixed buckets (decode rows: powers of two up to max_slots; chunk
+geometries of one token budget; block tables padded to max_pages), so steady state compiles
+nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.paged_decode import (
+    DEFAULT_BLOCK_POSITIONS,
+    StepBatch,
+    init_paged_cache,
+    paged_step,
+    read_page,
+    write_page,
+)
+from glm5_jax.serve.sampling import SamplingState, init_sampling_state, sample, set_slot
+from glm5_jax.serve.types import MAX_TOP_LOGPROBS, SamplingParams
+
+MAX_STOP_IDS = 16  # stop token ids the device checks per row (the host re-checks all of them)
+
+
+class Sampled(NamedTuple):
+    """Host copies of sampled tokens. tokens [..., R] int32 (-1 = none), logprobs [..., R],
+    top_ids / top_logprobs [..., R, MAX_TOP_LOGPROBS]."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+def _rows_of(state: SamplingState, slots):
+    return jax.tree.map(lambda a: a[slots], state)
+
+
+def _put_rows(state: SamplingState, rows: SamplingState, slots, keep):
+    """Writes rows back to their slots where keep [R] (other rows are dropped)."""
+    index = jnp.where(keep, slots, state.num_slots)
+    return jax.tree.map(lambda a, b: a.at[index].set(b, mode="drop"), state, rows)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _sample_slots(logits, state: SamplingState, slots, mask):
+    """Samples rows of logits [R, V] with the sampler state of `slots` [R]; only rows where
+    mask [R] advance their slot's state (keys, counts)."""
+    tokens, logprobs, top_ids, top_logprobs, rows = sample(logits, _rows_of(state, slots), MAX_TOP_LOGPROBS)
+    return tokens, logprobs, top_ids, top_logprobs, _put_rows(state, rows, slots, mask)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "options", "block_pages"),
+                   donate_argnames=("cache", "state"))
+def _mixed_step(config, params, cache, state, batch: StepBatch, sample_rows, slots, mask, *, options,
+                block_pages):
+    logits, cache = paged_step(config, params, cache, batch, sample_rows, options=options,
+                               block_pages=block_pages)
+    tokens, logprobs, top_ids, top_logprobs, state = _sample_slots(logits, state, slots, mask)
+    return (tokens, logprobs, top_ids, top_logprobs), cache, state
+
+
+@functools.partial(jax.jit, static_argnames=("config", "options", "block_pages", "steps"),
+                   donate_argnames=("cache", "state"))
+def decode_loop(config: ModelConfig, params, cache, state: SamplingState, tokens, positions, tables, slots,
+                remaining, stop_ids, *, options, block_pages: int, steps: int):
+    """Up to `steps` decode steps on the device.
+
+    tokens, positions, slots, remaining: [R] int32 (position -1 = padding row; remaining = tokens
+    the row may still generate); tables: [R, W]; stop_ids: [R, MAX_STOP_IDS] (-1 = none), ids that
+    end a row (EOS included unless ignored). Returns (Sampled-like tuple of [steps, R] arrays with
+    token -1 after a row finished, cache, state). Stops early when every row has finished.
+    """
+    rows = tokens.shape[0]
+    empty_chunk = jnp.zeros((0, 0), jnp.int32)
+    outputs = (jnp.full((steps, rows), -1, jnp.int32), jnp.zeros((steps, rows), jnp.float32),
+               jnp.zeros((steps, rows, MAX_TOP_LOGPROBS), jnp.int32),
+               jnp.zeros((steps, rows, MAX_TOP_LOGPROBS), jnp.float32))
+
+    def body(carry):
+        step, cache, state, tokens, positions, remaining, outputs = carry
+        active = (positions >= 0) & (remaining > 0)
+        batch = StepBatch(tokens, jnp.where(active, positions, -1), empty_chunk, empty_chunk, tables)
+        logits, cache = paged_step(config, params, cache, batch, jnp.arange(rows), options=options,
+                                   block_pages=block_pages)
+        new, logprobs, top_ids, top_logprobs, state = _sample_slots(logits, state, slots, active)
+        new = jnp.where(active, new, -1)
+        outputs = tuple(out.at[step].set(value) for out, value in
+                        zip(outputs, (new, logprobs, top_ids, top_logprobs), strict=True))
+        stopped = jnp.any(new[:, None] == stop_ids, axis=-1) & (new >= 0)
+        remaining = jnp.where(stopped, 0, remaining - 1)
+        return step + 1, cache, state, new, jnp.where(active, positions + 1, -1), remaining, outputs
+
+    def more(carry):
+        step, _, _, _, positions, remaining, _ = carry
+        return (step < steps) & jnp.any((positions >= 0) & (remaining > 0))
+
+    carry = (jnp.int32(0), cache, state, tokens, positions, remaining, outputs)
+    _, cache, state, _, _, _, outputs = jax.lax.while_loop(more, body, carry)
+    return outputs, cache, state
+
+
+class ModelRunner:
+    """Device state and programs of one served model (see the module docs)."""
+
+    def __init__(self, config: ModelConfig, params, *, max_slots: int, num_pages: int, page_size: int,
+                 max_pages: int, options=None, block_positions: int = DEFAULT_BLOCK_POSITIONS):
+        self.config = config
+        self.params = params
+        self.options = options
+        self.max_slots = max_slots
+        self.page_size = page_size
+        self.block_pages = max(1, min(block_positions // page_size, max_pages))
+        # Table width: whole streamed blocks, so the last block never reads past the table.
+        self.table_width = -(-max_pages // self.block_pages) * self.block_pages
+        self.cache = init_paged_cache(config, num_pages, page_size)
+        self.sampling = init_sampling_state(max_slots, config.vocab_size)
+
+    # ------------------------------------------------------------------ sampler slots
+    def set_slot(self, slot: int, params: SamplingParams, prompt_ids, seed: int) -> None:
+        self.sampling = set_slot(self.sampling, slot, params, prompt_ids, seed)
+
+    def read_slot(self, slot: int) -> SamplingState:
+        """The slot's sampler state (parameters, key, counts), to restore after preemption."""
+        return jax.tree.map(lambda a: a[slot], self.sampling)
+
+    def write_slot(self, slot: int, row: SamplingState) -> None:
+        self.sampling = _write_slot(self.sampling, jnp.int32(slot), row)
+
+    # ------------------------------------------------------------------ pages
+    def read_page(self, page: int):
+        return jax.tree.map(np.asarray, read_page(self.cache, jnp.int32(page)))
+
+    def write_page(self, page: int, data) -> None:
+        self.cache = write_page(self.cache, jnp.int32(page), data)
+
+    def table(self, pages: list[int]) -> np.ndarray:
+        row = np.zeros(self.table_width, np.int32)
+        row[:len(pages)] = pages
+        return row
+
+    # ------------------------------------------------------------------ steps
+    def mixed_step(self, batch: StepBatch, sample_rows: np.ndarray, slots: np.ndarray,
+                   mask: np.ndarray) -> Sampled:
+        """One step; samples rows sample_rows [R] of the flat batch for `slots` [R] where mask."""
+        outputs, self.cache, self.sampling = _mixed_step(
+            self.config, self.params, self.cache, self.sampling, jax.tree.map(jnp.asarray, batch),
+            jnp.asarray(sample_rows), jnp.asarray(slots), jnp.asarray(mask), options=self.options,
+            block_pages=self.block_pages)
+        return Sampled(*(np.asarray(a) for a in outputs))
+
+    def decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int) -> Sampled:
+        """`decode_loop` on host arrays; returns [steps, R] host arrays."""
+        outputs, self.cache, self.sampling = decode_loop(
+            self.config, self.params, self.cache, self.sampling, *(jnp.asarray(a) for a in (
+                tokens, positions, tables, slots, remaining, stop_ids)),
+            options=self.options, block_pages=self.block_pages, steps=steps)
+        return Sampled(*(np.asarray(a) for a in outputs))
+
+    def cache_lost(self) -> bool:
+        """True when a failed step consumed (donated) the page pool or the sampler state."""
+        leaves = jax.tree.leaves(self.cache) + jax.tree.leaves(self.sampling)
+        return any(leaf.is_deleted() for leaf in leaves)
+
+    def reset(self) -> None:
+        """Fresh page pool and sampler state (after a failure destroyed them)."""
+        num_pages = next(iter(self.cache.values()))["latent"].shape[1]
+        self.cache = init_paged_cache(self.config, num_pages, self.page_size)
+        self.sampling = init_sampling_state(self.max_slots, self.config.vocab_size)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _write_slot(state: SamplingState, slot, row: SamplingState) -> SamplingState:
+    return jax.tree.map(lambda a, b: a.at[slot].set(b), state, row)

@@ -1,0 +1,237 @@
+"""The engine's scheduler: admission, token budget, chunked prefill, preemption, prefix cache and
+page allocation, in pure Python (no JAX: unit-testable on its own).
+
+Each iteration the engine asks for one `StepPlan`:
+  - `DecodePlan` when every running sequence is decoding: one device call runs up to
+    `decode_steps` decode steps for all of them (pages for those steps are reserved up front);
+  - `MixedPlan` otherwise: one step with a decode token for every decoding sequence and prefill
+    chunks of the others, packed into one of a few fixed chunk geometries (rows x tokens) of
+    `token_budget` tokens, so the compile count stays constant in steady state.
+When pages run out the most recently admitted sequence is preempted: its pages are released and
+it is requeued at the front with prompt + generated tokens, to be recomputed (mostly from the
+prefix cache) later; the plan lists it (with the slot it left) so the engine can keep its
+sampler state. Admission takes prefix-cache hits and waits (head of line) until the uncached
+part of the prompt fits in the free pages.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from glm5_jax.serve.paged_cache import PageAllocator, page_hashes
+from glm5_jax.serve.types import QueueFullError
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A request's scheduling state; survives preemption (then slot is None, pages empty)."""
+
+    request_id: str
+    tokens: list[int]  # prompt + generated; tokens[computed:] still have to run through the model
+    prompt_tokens: int
+    max_new: int
+    slot: int | None = None
+    computed: int = 0
+    generated: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    hashes: list[bytes] = dataclasses.field(default_factory=list)  # of pages[:len(hashes)]
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first admission)
+    preempted: bool = False  # it has been preempted at least once (its sampler state is saved)
+    payload: object = None  # the engine's per-request data (stream, saved sampler state)
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.computed
+
+
+@dataclasses.dataclass
+class DecodePlan:
+    sequences: list[Sequence]  # all decoding; one row each
+    steps: int  # decode steps to run on the device
+    preempted: list[tuple[Sequence, int]]  # (sequence, the slot it left)
+
+
+@dataclasses.dataclass
+class MixedPlan:
+    decodes: list[Sequence]
+    chunks: list[tuple[Sequence, int]]  # (sequence, token count from sequence.computed)
+    geometry: tuple[int, int]  # (chunk rows, tokens per row)
+    preempted: list[tuple[Sequence, int]]
+
+
+def chunk_geometries(token_budget: int) -> list[tuple[int, int]]:
+    """(rows, tokens per row) shapes of `token_budget` prefill tokens: many short rows for many
+    short prompts, one long row for one long prompt."""
+    lengths = sorted({q for q in (16, 64, token_budget) if q <= token_budget})
+    return [(token_budget // q, q) for q in lengths]
+
+
+def decode_buckets(max_slots: int) -> list[int]:
+    """Decode row counts compiled for: powers of two below max_slots, and max_slots."""
+    buckets, size = [], 1
+    while size < max_slots:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_slots]
+
+
+class Scheduler:
+    """Decides what each step computes (see the module docs). Not thread-safe: the engine thread
+    owns it; `add` and `cancel` go through the engine."""
+
+    def __init__(self, pages: PageAllocator, *, max_slots: int, max_context: int, page_size: int,
+                 token_budget: int, decode_steps: int = 1, prefix_caching: bool = True,
+                 max_waiting: int | None = None):
+        if token_budget < 1 or decode_steps < 1:
+            raise ValueError(f"token_budget ({token_budget}) and decode_steps ({decode_steps}) must be >= 1")
+        self.pages = pages
+        self.max_slots = max_slots
+        self.max_context = max_context
+        self.page_size = page_size
+        self.token_budget = token_budget
+        self.decode_steps = decode_steps
+        self.prefix_caching = prefix_caching
+        self.max_waiting = max_waiting
+        self.geometries = chunk_geometries(token_budget)
+        self.slots: list[Sequence | None] = [None] * max_slots
+        self.running: list[Sequence] = []  # admission order (the last is preempted first)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.preemptions = 0
+        self.prefix_lookups: list[tuple[int, int]] = []  # (prompt tokens, hit tokens) since last read
+
+    # ------------------------------------------------------------------ requests
+    def add(self, sequence: Sequence) -> None:
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"the server's waiting queue is full ({self.max_waiting} requests); "
+                                 "retry later", retry_after=1.0)
+        self.waiting.append(sequence)
+
+    def release(self, sequence: Sequence) -> None:
+        """Frees the sequence's pages and slot and forgets it (finished, cancelled or failed)."""
+        self._free(sequence)
+        if sequence in self.waiting:
+            self.waiting.remove(sequence)
+
+    def _free(self, sequence: Sequence) -> None:
+        # Last page first: in the LRU order a prefix's tail is evicted before its head.
+        for page in reversed(sequence.pages):
+            self.pages.release(page)
+        sequence.pages, sequence.hashes = [], []
+        if sequence.slot is not None:
+            self.slots[sequence.slot] = None
+            sequence.slot = None
+        if sequence in self.running:
+            self.running.remove(sequence)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self) -> list[Sequence]:
+        """Moves waiting sequences into free slots while their prompts fit; returns them."""
+        admitted = []
+        while self.waiting and None in self.slots:
+            if not self._try_admit(self.waiting[0]):
+                break  # head-of-line: wait for pages rather than starve long prompts
+            admitted.append(self.waiting.popleft())
+        return admitted
+
+    def _try_admit(self, sequence: Sequence) -> bool:
+        tokens = sequence.tokens
+        pages, keys = [], []
+        if self.prefix_caching:
+            # At most (len - 1) // page pages: the last token is always computed (its logits sample).
+            keys = page_hashes(tokens, self.page_size, (len(tokens) - 1) // self.page_size)
+            pages, _ = self.pages.match(keys)
+            self.prefix_lookups.append((len(tokens), len(pages) * self.page_size))
+        needed = -(-len(tokens) // self.page_size) - len(pages)
+        if needed > self.pages.available and self.running:
+            for page in reversed(pages):
+                self.pages.release(page)
+            return False
+        sequence.pages, sequence.hashes = pages, keys[:len(pages)]
+        sequence.computed = len(pages) * self.page_size
+        sequence.slot = self.slots.index(None)
+        self.slots[sequence.slot] = sequence
+        self.running.append(sequence)
+        if sequence.cached_tokens is None:
+            sequence.cached_tokens = sequence.computed
+        return True
+
+    # ------------------------------------------------------------------ planning
+    def _preempt(self, sequence: Sequence, preempted: list) -> None:
+        preempted.append((sequence, sequence.slot))
+        self._free(sequence)
+        sequence.computed = 0
+        sequence.preempted = True
+        self.waiting.appendleft(sequence)
+        self.preemptions += 1
+
+    def _grow(self, sequence: Sequence, end: int, preempted: list) -> bool:
+        """Allocates pages until `sequence` covers positions < end, preempting the most recently
+        admitted sequences as needed. False if `sequence` itself had to be preempted."""
+        while len(sequence.pages) * self.page_size < end:
+            page = self.pages.allocate()
+            if page is None:
+                victim = self.running[-1]
+                self._preempt(victim, preempted)
+                if victim is sequence:
+                    return False
+                continue
+            sequence.pages.append(page)
+        return True
+
+    def plan(self) -> DecodePlan | MixedPlan | None:
+        """The next step, or None when nothing runs."""
+        preempted: list[tuple[Sequence, int]] = []
+        if self.running and all(s.pending == 1 for s in self.running):
+            steps = self.decode_steps
+            for sequence in list(self.running):
+                if sequence in self.running:
+                    last = min(sequence.computed + steps, len(sequence.tokens) - 1 + self._left(sequence))
+                    self._grow(sequence, last, preempted)
+            if self.running:
+                return DecodePlan(list(self.running), steps, preempted)
+            return None
+        decodes = [s for s in self.running if s.pending == 1]
+        for sequence in decodes:
+            if sequence in self.running:
+                self._grow(sequence, sequence.computed + 1, preempted)
+        prefills = [s for s in self.running if s.pending > 1]
+        geometry = max(self.geometries, key=lambda g: (self._covered(prefills, g), -g[1]))
+        rows, length = geometry
+        chunks = []
+        for sequence in prefills[:rows]:
+            if sequence not in self.running:  # preempted while growing an earlier one
+                continue
+            count = min(sequence.pending, length)
+            if self._grow(sequence, sequence.computed + count, preempted):
+                chunks.append((sequence, count))
+        # Growing a later sequence may have preempted one planned earlier.
+        decodes = [s for s in decodes if s in self.running]
+        chunks = [(s, n) for s, n in chunks if s in self.running]
+        if not decodes and not chunks:
+            return None
+        return MixedPlan(decodes, chunks, geometry, preempted)
+
+    def _left(self, sequence: Sequence) -> int:
+        """Tokens the sequence may still generate."""
+        return sequence.max_new - sequence.generated
+
+    @staticmethod
+    def _covered(prefills: list[Sequence], geometry: tuple[int, int]) -> int:
+        rows, length = geometry
+        return sum(min(s.pending, length) for s in prefills[:rows])
+
+    # ------------------------------------------------------------------ after a step
+    def computed(self, sequence: Sequence, count: int) -> None:
+        """`count` more of the sequence's tokens are in the cache: full pages join the prefix cache."""
+        sequence.computed += count
+        if not self.prefix_caching:
+            return
+        full = sequence.computed // self.page_size
+        if full > len(sequence.hashes):
+            parent = sequence.hashes[-1] if sequence.hashes else b""
+            start = len(sequence.hashes)
+            new = page_hashes(sequence.tokens[start * self.page_size:], self.page_size, full - start, parent)
+            for page, key in zip(sequence.pages[start:full], new, strict=True):
+                self.pages.register(page, key)
+            sequence.hashes += new
