@@ -8,7 +8,10 @@ The checkpoint is an HF-layout directory (config.json, safetensors, tokenizer.js
 a chat template) or a train.py run directory (checkpoints/, tokenizer.json). Any OpenAI client
 works: point its base_url at http://HOST:PORT/v1 and use the served model id (by default the
 checkpoint directory's name) or one of its aliases. `--server-config FILE` (configs/serve_example.py)
-gives aliases, API keys and per-key rate limits; /metrics serves Prometheus metrics. If the engine
+gives aliases, API keys and per-key rate limits; /metrics serves Prometheus metrics. Execution
+options (--dtype, --moe-impl, --attention-impl, --indexer-impl, --decode-attention-impl) start
+from the checkpoint's (a run's `execution` section, an HF checkpoint's stored dtype), e.g.
+`--decode-attention-impl pallas` serves through the Pallas ragged paged-attention kernel. If the engine
 fails for good (engine.failure is set), the server stops and the process exits with status 1, so
 that a supervisor (systemd, Kubernetes) restarts it. See docs/serving.md.
 """
@@ -23,6 +26,13 @@ from pathlib import Path
 
 DEFAULT_RUN = Path("runs/demo")
 WAITING_PER_SLOT = 8  # --max-waiting's default, per --max-slots
+DEFAULT_DECODE_STEPS = 8  # glm5_jax.serve.engine.DEFAULT_DECODE_STEPS (a test checks they agree)
+# ExecutionOptions choices (glm5_jax/model/options.py), spelled out so that --help needs no JAX;
+# tests/test_api.py checks them against the library's.
+DTYPE_CHOICES = ("bfloat16", "float16", "float32")
+MOE_IMPL_CHOICES = ("ragged", "blocked", "dense", "pallas")
+KERNEL_IMPL_CHOICES = ("reference", "pallas")
+EXECUTION_FLAGS = ("dtype", "moe_impl", "attention_impl", "indexer_impl", "decode_attention_impl")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,8 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-pages", type=int, default=None,
                         help="device cache pages in all (default: the engine's choice)")
     parser.add_argument("--token-budget", type=int, default=256,
-                        help="most tokens one engine step processes, prefill chunks and decodes together "
-                             "(default: 256)")
+                        help="prefill tokens one engine step processes next to the running decodes "
+                             "(chunked prefill; default: 256)")
+    parser.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
+                        help="decode steps one device call runs when every request is decoding "
+                             f"(default: {DEFAULT_DECODE_STEPS})")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse cached pages of earlier prompts with the same prefix (default: on)")
     parser.add_argument("--noprefix-caching", dest="prefix_caching", action="store_false",
@@ -68,6 +81,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quantize", default=None, metavar="RECIPE",
                         help="quantize the weights on load with this recipe name or file "
                              "(glm5_jax.runs.load_any; default: as stored)")
+    group = parser.add_argument_group("execution options (default: as the checkpoint was made: a run's "
+                                      "`execution` section, an HF checkpoint's stored dtype)")
+    group.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                       help="compute dtype of activations and the page cache (weights stay as loaded)")
+    group.add_argument("--moe-impl", choices=MOE_IMPL_CHOICES, default=None,
+                       help="routed-expert computation: ragged (GPU/TPU), blocked (fast on CPUs), dense, "
+                            "or pallas (grouped-matmul kernel)")
+    group.add_argument("--attention-impl", choices=KERNEL_IMPL_CHOICES, default=None,
+                       help="full-sequence attention: reference (jnp) or pallas (the paged serving step "
+                            "uses --decode-attention-impl; kept for tools sharing these options)")
+    group.add_argument("--indexer-impl", choices=KERNEL_IMPL_CHOICES, default=None,
+                       help="full-sequence DSA indexer scores + top-k: reference (jnp) or pallas (the "
+                            "paged step streams its own top-k)")
+    group.add_argument("--decode-attention-impl", choices=KERNEL_IMPL_CHOICES, default=None,
+                       help="MLA attention over the paged cache: reference (jnp) or pallas (the ragged "
+                            "paged-attention kernel; GPU/TPU)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn log level (default: info)")
@@ -78,6 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--max-context must be >= 2, got {args.max_context}")
     for flag, value, least in (("--page-size", args.page_size, 1), ("--num-pages", args.num_pages, 1),
                                ("--token-budget", args.token_budget, 1),
+                               ("--decode-steps", args.decode_steps, 1),
                                ("--host-cache-pages", args.host_cache_pages, 0),
                                ("--max-waiting", args.max_waiting, 0),
                                ("--max-body-bytes", args.max_body_bytes, 1)):
@@ -141,7 +171,8 @@ def main(argv=None) -> int:
     # Imported here: loading JAX and the model is slow, and `--help` should not need it.
     import uvicorn
 
-    from glm5_jax.runs import RunNotFoundError, load_any
+    from glm5_jax.model.config import ConfigError
+    from glm5_jax.runs import RunNotFoundError, checkpoint_options, load_any
     from glm5_jax.serve.api import DEFAULT_MAX_BODY_BYTES, create_app
     from glm5_jax.serve.chat import load_chat_template, load_special_tokens
     from glm5_jax.serve.engine import Engine, warm_up
@@ -151,7 +182,9 @@ def main(argv=None) -> int:
     load_options = {} if args.quantize is None else {"quantize": args.quantize}
     try:
         config, params, tokenizer = load_any(checkpoint, **load_options)
-    except RunNotFoundError as exc:
+        options = checkpoint_options(checkpoint).replace(
+            **{name: getattr(args, name) for name in EXECUTION_FLAGS if getattr(args, name) is not None})
+    except (RunNotFoundError, ConfigError) as exc:
         sys.exit(f"error: {exc}")
     if tokenizer is None:
         sys.exit(f"error: {checkpoint} has no tokenizer.json; the server needs it to read and write text")
@@ -160,7 +193,8 @@ def main(argv=None) -> int:
     engine = Engine(config, params, tokenizer, max_slots=args.max_slots, max_context=args.max_context,
                     page_size=args.page_size, num_pages=args.num_pages, token_budget=args.token_budget,
                     prefix_caching=args.prefix_caching, host_cache_pages=args.host_cache_pages,
-                    max_waiting=args.max_waiting or None, observer=metrics)
+                    max_waiting=args.max_waiting or None, decode_steps=args.decode_steps, observer=metrics,
+                    options=options)
     app = create_app(engine, model_id, api_key=args.api_key, chat_template=load_chat_template(checkpoint),
                      special_tokens=load_special_tokens(checkpoint), server_config=server_config,
                      metrics=metrics, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)

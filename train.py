@@ -2,8 +2,11 @@
 
     python train.py --config configs/demo.py [--workdir runs/demo] [--config.<field>=<value> ...]
 
-The config file's `get_config()` returns an ml_collections ConfigDict with three parts:
+The config file's `get_config()` returns an ml_collections ConfigDict with these parts:
   model.*      the architecture (see glm5_jax/model/config.py; e.g. --config.model.num_layers=6)
+  execution.*  how it runs (optional; glm5_jax/model/options.py): dtype, param_dtype, remat,
+               moe_impl, attention_impl, indexer_impl, decode_attention_impl, expert_dispatch,
+               expert_capacity_factor, pipeline_microbatches (e.g. --config.execution.remat=full)
   data.*       sources (python_stdlib | files | jsonl, with weights), tokenizer_path ("" trains a
                byte-level BPE of data.vocab_size on the sources, cached in data.cache_dir, or
                in the workdir when cache_dir is ""),
@@ -37,6 +40,7 @@ from tqdm import tqdm
 from glm5_jax import data as data_lib
 from glm5_jax.model import ConfigError, ModelConfig, init_params
 from glm5_jax.model.count import count_params
+from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.parallel import sharding as sharding_lib
 from glm5_jax.parallel.mesh import MeshError, MeshSpec, initialize_distributed, make_mesh
 from glm5_jax.train.checkpoints import RunCheckpoints
@@ -101,6 +105,7 @@ def main(argv):
     config_name = Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem
     try:
         model_config = ModelConfig.from_dict(config.model)
+        options = ExecutionOptions.from_dict(config.get("execution"))
         settings = TrainSettings.from_config(config)
         sources = [data_lib.source_spec_from_dict(dict(s)) for s in config.data.sources]
         # config.mesh (optional): axis sizes; config.sharding_rules: logical axis overrides.
@@ -142,18 +147,20 @@ def main(argv):
     optimizer = make_optimizer(settings)
     checkpoints = RunCheckpoints(workdir, settings.keep_checkpoints, settings.checkpoint_every)
     resume_step = checkpoints.latest_step()
-    make_state = lambda: init_train_state(init_params(model_config, settings.seed), optimizer)  # noqa: E731
+    make_state = lambda: init_train_state(  # noqa: E731
+        init_params(model_config, settings.seed, options=options), optimizer)
     if resume_step is None:
         if mesh is None:
             state = make_state()
         else:  # initialise each shard where it lives (a large model never exists on one device)
             state = jax.jit(make_state, out_shardings=train_state_shardings(
-                model_config, optimizer, mesh, rules))()
+                model_config, optimizer, mesh, rules, options=options))()
     else:
         abstract = jax.eval_shape(make_state)
         if mesh is not None:  # restore straight into the mesh layout
             abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-                                    train_state_shardings(model_config, optimizer, mesh, rules))
+                                    train_state_shardings(model_config, optimizer, mesh, rules,
+                                                          options=options))
         state, data_state, _ = checkpoints.restore(resume_step, abstract)
         train_batches.set_state(data_state)
     counts = count_params(model_config)
@@ -162,16 +169,16 @@ def main(argv):
           f"workdir {workdir}" + (f"; resuming at step {resume_step}" if resume_step else ""),
           flush=True)
     if mesh is None:
-        train_step = make_train_step(model_config, settings, optimizer)
+        train_step = make_train_step(model_config, settings, optimizer, options=options)
         place_batch = lambda batch: batch  # noqa: E731
     else:
-        train_step = make_train_step(model_config, settings, optimizer, mesh, rules)
+        train_step = make_train_step(model_config, settings, optimizer, mesh, rules, options=options)
         batch_sharding = sharding_lib.batch_sharding(mesh, rules)
         place_batch = lambda batch: {  # noqa: E731
             key: jax.make_array_from_process_local_data(batch_sharding, np.asarray(value))
             for key, value in batch.items()}
         print("mesh: " + ", ".join(f"{name}={size}" for name, size in mesh.shape.items()), flush=True)
-    eval_step = make_eval_step(model_config, token_bytes)
+    eval_step = make_eval_step(model_config, token_bytes, options)
     schedule = learning_rate_schedule(settings)
     metrics_log = MetricsLog(workdir, resume_step)
 

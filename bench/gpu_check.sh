@@ -121,7 +121,7 @@ from glm5_jax.config_files import load_config_file
 
 def get_config():
     config = load_config_file("$(pwd)/configs/demo.py")
-    config.model.attention_impl = "pallas"
+    config.execution.attention_impl = "pallas"
     config.num_train_steps = 30
     config.eval_every = 1000
     config.checkpoint_every = 1000

@@ -1,131 +1,286 @@
-"""Serving throughput, TTFT and TPOT: our server (HTTP, streaming, continuous batching) vs
-transformers `generate` on the same weights, at several concurrencies, in one run (CPU).
+"""serve.py over HTTP vs transformers on the same weights, in one run (CPU): decode throughput at 1
+and 32 clients, cold time to first token of a long prompt, and how decode speed moves with
+--max-context.
 
-    python bench/serve.py [--checkpoint runs/demo] [--concurrency 1 8 32] [--max-tokens 32]
+    python bench/serve.py                      # the issue's workload, ~15 min on a 2-core CPU
+    python bench/serve.py --quick              # smaller, ~4 min
 
-Ours: serve's FastAPI app on 127.0.0.1 in this process, `max_concurrency` engine slots, each
-client streaming its requests through the official `openai` AsyncOpenAI client; TTFT is the
-time to the first streamed token, TPOT the mean gap between later tokens. transformers: one
-`generate` call with the concurrency as batch size (greedy, a fixed number of new tokens);
-its TTFT is the time of a 1-token generate and its TPOT the remaining time per token.
+A demo-size GLM-5 checkpoint (configs/demo.py's architecture, random weights, a BPE tokenizer
+trained on the standard library) is written to a temporary directory, unless --checkpoint is
+given. Ours: `python serve.py --checkpoint DIR --max-slots 32 --max-context 2304` in a
+subprocess, each client streaming through the official `openai` client (token-id prompts, greedy,
+ignore_eos); tok/s = generated tokens / wall time of the whole round, prefill included.
+transformers 5.24: `generate` with the same batch, prompt and token count (greedy, min_new_tokens
+= max_new_tokens); its TTFT reference is one forward of the long prompt. glm5_jax.forward of the
+same prompt (jitted, compiled first) is timed too. Then serve.py restarts at each --contexts
+value and 8 clients measure decode tok/s (steady-state gaps between streamed tokens), which
+should not depend on --max-context. Writes a markdown table (and --out JSON).
 """
+
+from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+import httpx
+import numpy as np
 import openai
-import torch
-import uvicorn
 
-from glm5_jax.export import export_run
-from glm5_jax.runs import load_any
-from glm5_jax.serve.api import create_app
-from glm5_jax.serve.engine import Engine, warm_up
-
-PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the command line and run.\"\"\"\n"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 
-def start_server(app):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, thread, sock.getsockname()[1]
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-async def one_client(client, model_id, requests, max_tokens, records):
-    for _ in range(requests):
+def make_checkpoint(directory: Path) -> None:
+    import glm5_jax
+    from glm5_jax.config_files import load_model_config
+    from glm5_jax.data.sources import SourceSpec, load_documents
+    from glm5_jax.data.tokenizer import train_bpe_tokenizer
+
+    config = load_model_config(ROOT / "configs/demo.py")
+    texts = [doc.text for doc in load_documents(SourceSpec())[:400]]
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=config.vocab_size)
+    params = glm5_jax.init_params(config, 0)
+    glm5_jax.save_pretrained(config, params, directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+class Server:
+    """serve.py in a subprocess, up once /health answers (after its warm-up)."""
+
+    def __init__(self, checkpoint: Path, max_context: int, args):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        command = [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(self.port),
+                   "--max-slots", str(args.max_slots), "--max-context", str(max_context),
+                   "--log-level", "warning"] + args.serve_args
+        log(f"starting {' '.join(command[1:])}")
         start = time.perf_counter()
-        stamps = []
-        stream = await client.completions.create(
-            model=model_id, prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=True,
-            extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
-                stamps.append(time.perf_counter())
-        records.append((stamps[0] - start, (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)))
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        text=True)
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"serve.py exited:\n{self.process.stderr.read()}") from None
+                time.sleep(0.5)
+        self.startup_seconds = time.perf_counter() - start
+        log(f"serve.py up after {self.startup_seconds:.0f} s (load + warm-up)")
+
+    def close(self):
+        self.process.terminate()
+        self.process.wait(timeout=60)
 
 
-async def measure_ours(port, model_id, concurrency, requests, max_tokens):
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
-    records = []
+async def stream_one(client, prompt, max_tokens):
+    """(TTFT, timestamps of streamed tokens, token count) of one streamed completion."""
     start = time.perf_counter()
-    await asyncio.gather(*(one_client(client, model_id, requests, max_tokens, records)
-                           for _ in range(concurrency)))
-    wall = time.perf_counter() - start
-    await client.close()  # before asyncio.run closes this loop
-    ttft = statistics.median(r[0] for r in records)
-    tpot = statistics.median(r[1] for r in records)
-    return concurrency * requests * max_tokens / wall, ttft, tpot
+    stamps, tokens = [], 0
+    stream = await client.completions.create(
+        model="bench", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return stamps[0] - start, stamps, tokens
 
 
-def measure_transformers(model, prompt_ids, concurrency, max_tokens):
-    ids = torch.as_tensor([prompt_ids] * concurrency)
-
-    def timed(new_tokens):
+async def round_of(port, prompts, max_tokens):
+    """All prompts at once; returns (generated tokens / wall seconds, per-request results)."""
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0,
+                                  timeout=600) as client:
         start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start
-
-    timed(2)  # warm-up
-    first, full = timed(1), timed(max_tokens)
-    return concurrency * max_tokens / full, first, (full - first) / (max_tokens - 1)
+        results = await asyncio.gather(*(stream_one(client, p, max_tokens) for p in prompts))
+        wall = time.perf_counter() - start
+    return sum(r[2] for r in results) / wall, results
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default="runs/demo", help="train.py run or HF directory")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32],
-                        help="concurrent clients")
-    parser.add_argument("--requests", type=int, default=2, help="requests per client")
-    parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
-    args = parser.parse_args()
+def decode_rate(results) -> float:
+    """Aggregate steady-state decode tok/s: per request, tokens after the first over the time
+    from the first to the last streamed token (stream chunks can hold several tokens)."""
+    return sum((tokens - 1) / (stamps[-1] - stamps[0]) for _, stamps, tokens in results
+               if stamps[-1] > stamps[0])
 
-    config, params, tokenizer = load_any(args.checkpoint)
-    if tokenizer is None:
-        sys.exit(f"{args.checkpoint} has no tokenizer.json")
-    prompt_ids = tokenizer.encode(PROMPT).ids
-    engine = Engine(config, params, tokenizer, max_slots=max(args.concurrency), max_context=128, seed=0)
-    warm_up(engine, prompt_lengths=(len(prompt_ids),))
-    server, thread, port = start_server(create_app(engine, "bench"))
 
+def prompts(rng, count, length, vocab):
+    return [rng.integers(5, vocab, length).tolist() for _ in range(count)]
+
+
+def measure_server(port, args, rng, vocab) -> dict:
+    out = {}
+    asyncio.run(round_of(port, prompts(rng, 2, args.prompt_tokens, vocab), 4))  # connections, first use
+    rates = []
+    for _ in range(args.rounds):
+        rate, _ = asyncio.run(round_of(port, prompts(rng, 1, args.prompt_tokens, vocab), args.max_tokens))
+        rates.append(rate)
+    out["1 client tok/s"] = statistics.median(rates)
+    log(f"ours, 1 client: {out['1 client tok/s']:.1f} tok/s")
+    rates = []
+    for _ in range(args.rounds):
+        batch = prompts(rng, args.clients, args.prompt_tokens, vocab)
+        rate, _ = asyncio.run(round_of(port, batch, args.max_tokens))
+        rates.append(rate)
+    out[f"{args.clients} clients tok/s"] = statistics.median(rates)
+    log(f"ours, {args.clients} clients: {out[f'{args.clients} clients tok/s']:.1f} tok/s")
+    ttfts = []
+    for _ in range(args.rounds):  # a new prompt each time: no prefix-cache hit
+        _, results = asyncio.run(round_of(port, prompts(rng, 1, args.long_prompt, vocab), 1))
+        ttfts.append(results[0][0])
+    out["cold TTFT s"] = statistics.median(ttfts)
+    log(f"ours, cold TTFT of {args.long_prompt} tokens: {out['cold TTFT s']:.2f} s")
+    return out
+
+
+def decode_at(port, args, rng, vocab) -> float:
+    _, results = asyncio.run(round_of(port, prompts(rng, 8, args.prompt_tokens, vocab), args.max_tokens))
+    _, results = asyncio.run(round_of(port, prompts(rng, 8, args.prompt_tokens, vocab), args.max_tokens))
+    return decode_rate(results)
+
+
+def measure_transformers(checkpoint: Path, args, rng, vocab) -> dict:
+    import torch
     from transformers import GlmMoeDsaForCausalLM
 
-    with tempfile.TemporaryDirectory() as exported:
-        if (Path(args.checkpoint) / "checkpoints").is_dir():
-            export_run(args.checkpoint, exported)
-            hf_path = exported
-        else:
-            hf_path = args.checkpoint
-        reference = GlmMoeDsaForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
+    model = GlmMoeDsaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    out = {}
 
-    print(f"{args.checkpoint}: prompt {len(prompt_ids)} tokens, {args.max_tokens} new tokens per "
-          f"request, {args.requests} requests per client; torch threads {torch.get_num_threads()}")
-    compiles_after_warm_up = engine.compile_count
-    print("| concurrency | ours tok/s | ours TTFT (s) | ours TPOT (s) | transformers tok/s | "
-          "transformers TTFT (s) | transformers TPOT (s) | throughput ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    for concurrency in args.concurrency:
-        ours = asyncio.run(measure_ours(port, "bench", concurrency, args.requests, args.max_tokens))
-        theirs = measure_transformers(reference, prompt_ids, concurrency, args.max_tokens)
-        print(f"| {concurrency} | {ours[0]:.1f} | {ours[1]:.3f} | {ours[2]:.4f} | {theirs[0]:.1f} | "
-              f"{theirs[1]:.3f} | {theirs[2]:.4f} | {ours[0] / theirs[0]:.2f}x |", flush=True)
-    print(f"compilations during the measured requests: {engine.compile_count - compiles_after_warm_up}")
-    server.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    def generate(batch):
+        ids = torch.as_tensor(prompts(rng, batch, args.prompt_tokens, vocab))
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens,
+                           min_new_tokens=args.max_tokens, do_sample=False, pad_token_id=0)
+        return batch * args.max_tokens / (time.perf_counter() - start)
+
+    generate(1)  # warm-up
+    out["1 client tok/s"] = statistics.median(generate(1) for _ in range(args.rounds))
+    log(f"transformers generate batch 1: {out['1 client tok/s']:.1f} tok/s")
+    out[f"{args.clients} clients tok/s"] = statistics.median(
+        generate(args.clients) for _ in range(args.rounds))
+    log(f"transformers generate batch {args.clients}: {out[f'{args.clients} clients tok/s']:.1f} tok/s")
+
+    def forward():
+        ids = torch.as_tensor(prompts(rng, 1, args.long_prompt, vocab))
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(ids)
+        return time.perf_counter() - start
+
+    forward()
+    out["cold TTFT s"] = statistics.median(forward() for _ in range(args.rounds))
+    log(f"transformers forward of {args.long_prompt} tokens: {out['cold TTFT s']:.2f} s")
+    return out
+
+
+def measure_jax_forward(checkpoint: Path, args, rng, vocab) -> float:
+    import jax
+
+    import glm5_jax
+    from glm5_jax.runs import load_any
+
+    config, params, _ = load_any(str(checkpoint))
+    step = jax.jit(lambda p, ids: glm5_jax.forward(config, p, ids))
+    ids = np.asarray(prompts(rng, 1, args.long_prompt, vocab), np.int32)
+    step(params, ids).block_until_ready()
+    times = []
+    for _ in range(args.rounds):
+        ids = np.asarray(prompts(rng, 1, args.long_prompt, vocab), np.int32)
+        start = time.perf_counter()
+        step(params, ids).block_until_ready()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    log(f"glm5_jax.forward of {args.long_prompt} tokens: {seconds:.2f} s")
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", default=None,
+                        help="HF checkpoint directory (default: a fresh demo-size one)")
+    parser.add_argument("--max-slots", type=int, default=32)
+    parser.add_argument("--max-context", type=int, default=2304)
+    parser.add_argument("--contexts", type=int, nargs="*", default=[512, 16384],
+                        help="--max-context values for the decode-vs-context check")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--long-prompt", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3, help="repeats per figure (median)")
+    parser.add_argument("--quick", action="store_true", help="8 clients, 1 round, no context sweep")
+    parser.add_argument("--out", default=None, help="also write the figures as JSON here")
+    parser.add_argument("serve_args", nargs=argparse.REMAINDER,
+                        help="extra serve.py flags after --, e.g. -- --decode-steps 8")
+    args = parser.parse_args()
+    args.serve_args = [a for a in args.serve_args if a != "--"]
+    if args.quick:
+        args.clients, args.rounds, args.contexts = 8, 1, []
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpoint = Path(args.checkpoint) if args.checkpoint else Path(scratch)
+        if not args.checkpoint:
+            log("writing a demo-size checkpoint")
+            make_checkpoint(checkpoint)
+        vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+        server = Server(checkpoint, args.max_context, args)
+        try:
+            ours = measure_server(server.port, args, rng, vocab)
+            ours["startup s"] = server.startup_seconds
+        finally:
+            server.close()
+        theirs = measure_transformers(checkpoint, args, rng, vocab)
+        jax_forward = measure_jax_forward(checkpoint, args, rng, vocab)
+        by_context = {}
+        for max_context in args.contexts:
+            server = Server(checkpoint, max_context, args)
+            try:
+                by_context[max_context] = decode_at(server.port, args, rng, vocab)
+                log(f"--max-context {max_context}: decode {by_context[max_context]:.1f} tok/s (8 clients)")
+            finally:
+                server.close()
+
+    import torch
+
+    flags = " ".join(args.serve_args)
+    print(f"\nserve.py --max-slots {args.max_slots} --max-context {args.max_context} {flags}; "
+          f"prompt {args.prompt_tokens} tokens, {args.max_tokens} new; median of {args.rounds}; "
+          f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs\n")
+    print("| workload | serve.py | transformers | ratio | target |")
+    print("|---|---|---|---|---|")
+    for key, target in (("1 client tok/s", ">= 3x"), (f"{args.clients} clients tok/s", ">= 2x")):
+        print(f"| {key} | {ours[key]:.1f} | {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}x | {target} |")
+    ttft = ours["cold TTFT s"]
+    reference = theirs["cold TTFT s"]
+    print(f"| cold TTFT, {args.long_prompt}-token prompt (s) | {ttft:.2f} | {reference:.2f} (forward) | "
+          f"{ttft / reference:.2f}x | <= 1.0x |")
+    print(f"| cold TTFT vs glm5_jax.forward (s) | {ttft:.2f} | {jax_forward:.2f} (forward) | "
+          f"{ttft / jax_forward:.2f}x | <= 1.3x |")
+    if by_context:
+        low, high = min(by_context.values()), max(by_context.values())
+        cells = ", ".join(f"{c}: {r:.1f}" for c, r in by_context.items())
+        print(f"| decode tok/s by --max-context (8 clients) | {cells} | | spread {(high - low) / high:.0%} "
+              "| <= 15% |")
+    print(f"\nserve.py startup (load + warm-up): {ours['startup s']:.0f} s")
+    if args.out:
+        figures = {"ours": ours, "transformers": theirs, "jax_forward_s": jax_forward,
+                   "decode_by_context": by_context, "args": vars(args)}
+        Path(args.out).write_text(json.dumps(figures, indent=1))
 
 
 if __name__ == "__main__":

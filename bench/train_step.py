@@ -23,15 +23,16 @@ from reference import hf_config  # noqa: E402
 import glm5_jax  # noqa: E402
 from glm5_jax.config_files import load_config_file  # noqa: E402
 from glm5_jax.model import ModelConfig  # noqa: E402
+from glm5_jax.model.options import ExecutionOptions  # noqa: E402
 from glm5_jax.train.optimizer import make_optimizer  # noqa: E402
 from glm5_jax.train.settings import TrainSettings  # noqa: E402
 from glm5_jax.train.step import init_train_state, make_train_step  # noqa: E402
 
 
-def time_ours(config, settings, batch, steps) -> float:
+def time_ours(config, options, settings, batch, steps) -> float:
     optimizer = make_optimizer(settings)
-    state = init_train_state(glm5_jax.init_params(config, 0), optimizer)
-    step = make_train_step(config, settings, optimizer)
+    state = init_train_state(glm5_jax.init_params(config, 0, options=options), optimizer)
+    step = make_train_step(config, settings, optimizer, options=options)
     state, metrics = step(state, batch)
     float(metrics["loss"])
     start = time.perf_counter()
@@ -79,6 +80,7 @@ def main():
         **{**TrainSettings.from_config(run_config).__dict__, "batch_size": args.batch_size,
            "grad_accum_steps": 1})
     base = ModelConfig.from_dict({**run_config.model.to_dict(), "num_mtp_layers": 0})
+    options = ExecutionOptions.from_dict(run_config.get("execution"))
     ids = np.random.default_rng(0).integers(0, base.vocab_size, (args.batch_size, seq_len))
     batch = dict(input_ids=ids.astype(np.int32), segment_ids=np.ones_like(ids, np.int32),
                  positions=np.broadcast_to(np.arange(seq_len), ids.shape).astype(np.int32))
@@ -92,7 +94,7 @@ def main():
     print(f"| transformers 5.24 + torch (eager, sdpa) | {torch_seconds:.3f} | "
           f"{tokens / torch_seconds:,.0f} | 1.00x |")
     for impl in ("blocked", "dense", "ragged"):
-        seconds = time_ours(base.replace(moe_impl=impl), settings, batch, args.steps)
+        seconds = time_ours(base, options.replace(moe_impl=impl), settings, batch, args.steps)
         print(f"| glm5_jax jit, moe_impl={impl} | {seconds:.3f} | {tokens / seconds:,.0f} | "
               f"{torch_seconds / seconds:.2f}x |", flush=True)
 

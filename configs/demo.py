@@ -44,10 +44,19 @@ def get_config() -> ml_collections.ConfigDict:
         bos_token_id=None,
         eos_token_ids=[0],  # "<|endoftext|>", the first special token of the trained tokenizer
         pad_token_id=0,
+    ))
+    # How it runs (glm5_jax/model/options.py); override with e.g. --config.execution.remat=full.
+    config.execution = ml_collections.ConfigDict(dict(
         dtype="float32",  # CPU: float32 compute; use bfloat16 on accelerators
         param_dtype="float32",
         remat="none",
         moe_impl="blocked",  # on a CPU, padded per-expert blocks beat ragged_dot and the dense path
+        attention_impl="reference",
+        indexer_impl="reference",
+        decode_attention_impl="reference",
+        expert_dispatch="all_to_all",
+        expert_capacity_factor=0.0,
+        pipeline_microbatches=0,
     ))
     config.data = ml_collections.ConfigDict(dict(
         sources=[dict(kind="python_stdlib", name="python_stdlib", weight=1.0)],

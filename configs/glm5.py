@@ -38,12 +38,27 @@ def get_model_config() -> ml_collections.ConfigDict:
         bos_token_id=0,
         eos_token_ids=[154820, 154827, 154829],
         pad_token_id=154820,
+    ))
+
+
+def get_execution_config() -> ml_collections.ConfigDict:
+    """How it runs (glm5_jax/model/options.py): bfloat16 as released, reference kernels."""
+    return ml_collections.ConfigDict(dict(
         dtype="bfloat16",
         param_dtype="bfloat16",
+        remat="none",
+        moe_impl="ragged",
+        attention_impl="reference",
+        indexer_impl="reference",
+        decode_attention_impl="reference",
+        expert_dispatch="all_to_all",
+        expert_capacity_factor=0.0,
+        pipeline_microbatches=0,
     ))
 
 
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.model = get_model_config()
+    config.execution = get_execution_config()
     return config

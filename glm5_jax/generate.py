@@ -3,6 +3,7 @@ cached path (paged latent cache, one prefill then cached decode steps: linear in
 
     python -m glm5_jax.generate --checkpoint runs/demo --prompt "def fibonacci(n):"
     python -m glm5_jax.generate --checkpoint runs/demo --quantize mixed --prompt "def fibonacci(n):"
+    python -m glm5_jax.generate --checkpoint DIR --dtype bfloat16 --decode-attention-impl pallas ...
 """
 
 from __future__ import annotations
@@ -12,16 +13,20 @@ import asyncio
 
 from absl import logging
 
+from glm5_jax.config_files import add_execution_flags, execution_from_flags
 from glm5_jax.model import ModelConfig
-from glm5_jax.runs import load_any
+from glm5_jax.model.options import ExecutionOptions
+from glm5_jax.runs import checkpoint_options, load_any
 from glm5_jax.serve.engine import Engine
 from glm5_jax.serve.types import SamplingParams
 
 
 def generate_ids(config: ModelConfig, params, prompt_ids: list[int], max_new_tokens: int,
-                 temperature: float = 0.8, top_k: int = 40, seed: int = 0, options=None) -> list[int]:
+                 temperature: float = 0.8, top_k: int = 40, seed: int = 0,
+                 options: ExecutionOptions | None = None) -> list[int]:
     """Prompt ids -> new ids (stopping at an EOS id of the config, which is left out).
-    temperature 0: greedy. Runs one request on a one-slot engine sized to the request."""
+    temperature 0: greedy. Runs one request on a one-slot engine sized to the request.
+    options: ExecutionOptions of the engine's step (None: defaults)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     total = len(prompt_ids) + max_new_tokens
@@ -56,15 +61,17 @@ def main(argv=None):
     parser.add_argument("--quantize", default=None,
                         help="quantize the weights with this recipe: a name in configs/quant/ "
                              "(fp8, int8, nvfp4, mixed) or a recipe file path")
+    add_execution_flags(parser)
     args = parser.parse_args(argv)
     logging.set_verbosity(logging.ERROR)  # orbax narrates read-only checkpoint access
 
     config, params, tokenizer = load_any(args.checkpoint, quantize=args.quantize)
+    options = execution_from_flags(args, checkpoint_options(args.checkpoint))
     if tokenizer is None:
         raise SystemExit(f"error: {args.checkpoint} has no tokenizer.json")
     prompt_ids = tokenizer.encode(args.prompt).ids
     new_ids = generate_ids(config, params, prompt_ids, args.max_new_tokens, args.temperature,
-                           args.top_k, args.seed)
+                           args.top_k, args.seed, options=options)
     print(args.prompt + tokenizer.decode(new_ids))
 
 

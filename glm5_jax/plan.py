@@ -35,7 +35,8 @@ def parse_args(argv):
     parser.add_argument("--context", type=int, default=32768, help="serve: cache length per sequence")
     parser.add_argument("--page-size", type=int, default=64, help="serve: positions per cache page")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a model field, e.g. --set remat=full (repeatable)")
+                        help="override a model field or an execution option (routed by name), e.g. "
+                             "--set remat=full or --set num_layers=4 (repeatable)")
     parser.add_argument("--top", type=int, default=8, help="how many of the largest tensors to list")
     parser.add_argument("--buffers", type=int, default=0,
                         help="also list the N largest values in the compiled per-device program")
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from glm5_jax.config_files import load_model_config
+    from glm5_jax.config_files import load_execution_options, load_model_config, split_overrides
     from glm5_jax.model.config import ConfigError
     from glm5_jax.model.count import count_params
     from glm5_jax.parallel import sharding
@@ -103,7 +104,10 @@ def main(argv=None) -> int:
 
     try:
         overrides = dict(item.split("=", 1) for item in args.set)
-        config = load_model_config(args.config, **{k: _parse_value(v) for k, v in overrides.items()})
+        model_overrides, execution_overrides = split_overrides(
+            {k: _parse_value(v) for k, v in overrides.items()})
+        config = load_model_config(args.config, **model_overrides)
+        options = load_execution_options(args.config, **execution_overrides)
         mesh = make_mesh(spec, config, jax.devices()[:devices])
     except (ConfigError, MeshError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -111,15 +115,15 @@ def main(argv=None) -> int:
     rules = sharding.DEFAULT_RULES
     counts = count_params(config)
     print(f"model: {counts['total'] / 1e9:.1f}B params ({counts['active'] / 1e9:.1f}B active); "
-          f"dtype {config.dtype}, params {config.param_dtype}, remat {config.remat}, "
-          f"moe_impl {config.moe_impl}, capacity factor {config.expert_capacity_factor or 'dropless'}")
+          f"dtype {options.dtype}, params {options.param_dtype}, remat {options.remat}, "
+          f"moe_impl {options.moe_impl}, capacity factor {options.expert_capacity_factor or 'dropless'}")
     axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
     print(f"mesh: {axes} ({devices} devices)")
     started = time.perf_counter()
     if args.serve:
-        report = _plan_serve(args, config, mesh, rules)
+        report = _plan_serve(args, config, options, mesh, rules)
     else:
-        report = _plan_train(args, config, mesh, rules)
+        report = _plan_train(args, config, options, mesh, rules)
     print(f"compiled in {time.perf_counter() - started:.0f} s")
     report, compiled = report
     for line in report:
@@ -170,7 +174,7 @@ def _memory_lines(compiled, parts: dict[str, float]) -> list[str]:
     return lines
 
 
-def _plan_train(args, config, mesh, rules) -> list[str]:
+def _plan_train(args, config, options, mesh, rules) -> list[str]:
     import jax
     import jax.numpy as jnp
 
@@ -183,22 +187,23 @@ def _plan_train(args, config, mesh, rules) -> list[str]:
     batch_rows = args.batch or mesh.size
     settings = TrainSettings(batch_size=batch_rows)
     optimizer = make_optimizer(settings)
-    state_sharding = train_state_shardings(config, optimizer, mesh, rules)
+    state_sharding = train_state_shardings(config, optimizer, mesh, rules, options=options)
+    shapes = param_shapes(config, options=options)
     abstract_state = jax.eval_shape(lambda: init_train_state(
-        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), param_shapes(config)), optimizer))
+        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), optimizer))
     state_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             abstract_state, state_sharding)
     batch_shard = sharding.batch_sharding(mesh, rules)
     field = jax.ShapeDtypeStruct((batch_rows, args.seq_len), jnp.int32, sharding=batch_shard)
     batch = {"input_ids": field, "positions": field, "segment_ids": field}
-    step = make_train_step(config, settings, optimizer, mesh, rules)
+    step = make_train_step(config, settings, optimizer, mesh, rules, options=options)
     with sharding.activate(mesh, rules):
         compiled = step.jitted.trace(state_in, batch).lower().compile()
     params_bytes = sharding.bytes_per_device(abstract_state.params, state_sharding.params)
     opt_bytes = sharding.bytes_per_device(abstract_state.opt_state, state_sharding.opt_state)
     lines = [f"train step: batch {batch_rows} x {args.seq_len} tokens "
              f"({batch_rows * args.seq_len / mesh.size:,.0f} tokens per device on average)"]
-    grad_bytes = params_bytes / config.weight_dtype(0).itemsize * 4  # accumulated in float32
+    grad_bytes = params_bytes / options.weight_dtype(0).itemsize * 4  # accumulated in float32
     lines += _memory_lines(compiled, {"params": params_bytes, "optimizer state": opt_bytes,
                                       "gradients (f32, same sharding)": grad_bytes})
     lines += ["", f"largest parameters per device (of {len(jax.tree.leaves(abstract_state.params))}):"]
@@ -207,7 +212,7 @@ def _plan_train(args, config, mesh, rules) -> list[str]:
     return lines, compiled
 
 
-def _plan_serve(args, config, mesh, rules) -> list[str]:
+def _plan_serve(args, config, options, mesh, rules) -> list[str]:
     """The step serve.py runs at steady state: one paged decode step of `batch` sequences whose
     block tables cover `context` positions, on a page pool holding all of them."""
     import jax
@@ -231,11 +236,11 @@ def _plan_serve(args, config, mesh, rules) -> list[str]:
     num_pages = batch_rows * table_width
     params_sharding = sharding.param_shardings(config, mesh, rules)
     params_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                             param_shapes(config), params_sharding)
-    cache = jax.eval_shape(lambda: init_paged_cache(config, num_pages, page_size))
+                             param_shapes(config, options=options), params_sharding)
+    cache = jax.eval_shape(lambda: init_paged_cache(config, num_pages, page_size, options.compute_dtype))
     batch_axes = sharding.logical_sharding(mesh, rules, ("batch",)).spec[0]
-    # [L, P, page, F] pools: pages spread over the batch axes like the sequences that own them.
-    cache_shardings = jax.tree.map(lambda leaf: NamedSharding(mesh, P(None, batch_axes)), cache)
+    # [L * P, page, F] pools: pages spread over the batch axes like the sequences that own them.
+    cache_shardings = jax.tree.map(lambda leaf: NamedSharding(mesh, P(batch_axes)), cache)
     cache_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             cache, cache_shardings)
     rows = NamedSharding(mesh, P(batch_axes))
@@ -245,17 +250,19 @@ def _plan_serve(args, config, mesh, rules) -> list[str]:
     batch = StepBatch(vector, vector, empty, empty, tables)
     with sharding.activate(mesh, rules):
         step = getattr(paged_step, "__wrapped__", paged_step)
-        compiled = jax.jit(step, static_argnums=0, static_argnames="block_pages", donate_argnums=2).trace(
-            config, params_in, cache_in, batch, vector, block_pages=block_pages).lower().compile()
-    params_bytes = sharding.bytes_per_device(param_shapes(config), params_sharding)
+        jitted = jax.jit(step, static_argnums=0, static_argnames=("options", "block_pages"), donate_argnums=2)
+        compiled = jitted.trace(config, params_in, cache_in, batch, vector, options=options,
+                                block_pages=block_pages).lower().compile()
+    params_bytes = sharding.bytes_per_device(param_shapes(config, options=options), params_sharding)
     cache_bytes = sharding.bytes_per_device(cache, cache_shardings)
-    per_token = paged_cache_bytes_per_page(config, page_size) / page_size
+    per_token = paged_cache_bytes_per_page(config, page_size, options.compute_dtype) / page_size
     lines = [f"paged decode step: {batch_rows} sequences x 1 new token, {args.context} cached positions each "
              f"({num_pages} pages of {page_size}; {per_token / 1024:.1f} KiB per token)"]
-    lines += _memory_lines(compiled, {f"params ({config.param_dtype})": params_bytes,
+    lines += _memory_lines(compiled, {f"params ({options.param_dtype})": params_bytes,
                                       "latent page pool": cache_bytes})
     lines += ["", "largest parameters per device:"]
-    for size, name, shape, dtype, spec in _largest(param_shapes(config), params_sharding, args.top):
+    for size, name, shape, dtype, spec in _largest(param_shapes(config, options=options), params_sharding,
+                                                   args.top):
         lines.append(f"  {_fmt(size)}  {name} {tuple(shape)} {dtype.name} -> {spec}")
     return lines, compiled
 

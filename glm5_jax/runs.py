@@ -8,8 +8,9 @@ from pathlib import Path
 import jax
 import tokenizers
 
-from glm5_jax.checkpoint import load_pretrained
+from glm5_jax.checkpoint import load_pretrained, read_options
 from glm5_jax.model import ModelConfig, init_params
+from glm5_jax.model.options import ExecutionOptions, options_from_run_config, split_saved_model_section
 from glm5_jax.quant import load_recipe, quantize_params
 from glm5_jax.train.checkpoints import CHECKPOINT_DIR, RunCheckpoints
 from glm5_jax.train.optimizer import make_optimizer
@@ -25,19 +26,48 @@ def is_run_directory(path: str | os.PathLike) -> bool:
     return (Path(path) / CHECKPOINT_DIR).is_dir()
 
 
-def load_run(workdir: str | os.PathLike, step: int | None = None):
-    """The params of a train.py run's latest (or given) checkpoint -> (ModelConfig, params)."""
-    checkpoints = RunCheckpoints(workdir, read_only=True)
+def run_configs(run_config) -> tuple[ModelConfig, ExecutionOptions]:
+    """A saved run config (run_config.json's dict) -> (ModelConfig, ExecutionOptions). Runs saved
+    before the `execution` section existed kept its fields in `model`: they are split out here."""
+    model, _ = split_saved_model_section(run_config["model"])
+    return ModelConfig.from_dict(model), options_from_run_config(run_config)
+
+
+def _run_step(workdir, checkpoints: RunCheckpoints, step: int | None) -> int:
     step = checkpoints.latest_step() if step is None else step
     if step is None:
         raise RunNotFoundError(f"{workdir} has no complete checkpoint yet")
+    return step
+
+
+def load_run(workdir: str | os.PathLike, step: int | None = None):
+    """The params of a train.py run's latest (or given) checkpoint -> (ModelConfig, params)."""
+    checkpoints = RunCheckpoints(workdir, read_only=True)
+    step = _run_step(workdir, checkpoints, step)
     run_config = checkpoints.restore_config(step)
-    config = ModelConfig.from_dict(run_config["model"])
+    config, options = run_configs(run_config)
     optimizer = make_optimizer(TrainSettings.from_config(run_config))
-    abstract = jax.eval_shape(lambda: init_train_state(init_params(config, 0), optimizer))
+    abstract = jax.eval_shape(lambda: init_train_state(init_params(config, 0, options=options), optimizer))
     state, _, _ = checkpoints.restore(step, abstract)
     checkpoints.close()
     return config, state.params
+
+
+def checkpoint_options(path: str | os.PathLike) -> ExecutionOptions:
+    """The ExecutionOptions a checkpoint was made with: a run directory's `execution` section
+    (latest checkpoint), or an HF checkpoint's stored dtype. Serving starts from these and
+    overrides what its flags say."""
+    path = Path(path)
+    if is_run_directory(path):
+        checkpoints = RunCheckpoints(path, read_only=True)
+        try:
+            return run_configs(checkpoints.restore_config(_run_step(path, checkpoints, None)))[1]
+        finally:
+            checkpoints.close()
+    if (path / "config.json").exists():
+        return read_options(path)
+    raise RunNotFoundError(f"{path} is neither a train.py run directory (with {CHECKPOINT_DIR}/) nor "
+                           "an HF checkpoint directory (with config.json)")
 
 
 def load_any(path: str | os.PathLike, quantize: str | None = None):

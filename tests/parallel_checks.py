@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 from reference import random_params  # noqa: E402
 
 from glm5_jax.config_files import load_model_config  # noqa: E402
+from glm5_jax.model.options import ExecutionOptions  # noqa: E402
 from glm5_jax.parallel import sharding  # noqa: E402
 from glm5_jax.parallel.local import run_local  # noqa: E402
 from glm5_jax.parallel.mesh import MeshSpec, make_mesh  # noqa: E402
@@ -35,8 +36,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # 4 MoE layers (split into 2 or 4 pipeline stages), no dense prefix and no MTP head: the
 # smallest graph that exercises every parallel path (compile time dominates this check).
-CONFIG = load_model_config("configs/tiny.py", num_layers=4, num_dense_layers=0, num_mtp_layers=0,
-                           moe_impl="blocked")
+CONFIG = load_model_config("configs/tiny.py", num_layers=4, num_dense_layers=0, num_mtp_layers=0)
+OPTIONS = ExecutionOptions(moe_impl="blocked")
 SETTINGS = TrainSettings(batch_size=8)
 BATCH_ROWS, LENGTH = 8, 16
 
@@ -79,21 +80,21 @@ def local_shape_seen(mesh) -> list[int]:
 def main(meshes):
     params = random_params(CONFIG, 0)
     batch = make_batch()
-    value_and_grad = jax.value_and_grad(make_loss_fn(CONFIG, SETTINGS), has_aux=True)
+    value_and_grad = jax.value_and_grad(make_loss_fn(CONFIG, SETTINGS, OPTIONS), has_aux=True)
     (loss, _), grads = jax.jit(value_and_grad)(params, batch)
     for text in meshes:
         text, _, variant = text.partition("@")
-        config = CONFIG
+        config, options = CONFIG, OPTIONS
         if variant.startswith("cf="):
-            config = CONFIG.replace(expert_capacity_factor=float(variant[3:]))
+            options = OPTIONS.replace(expert_capacity_factor=float(variant[3:]))
         mesh = make_mesh(MeshSpec.parse(text), config)
         param_shardings = sharding.param_shardings(config, mesh)
         batch_sharding = sharding.batch_sharding(mesh)
         placed_batch = jax.device_put(batch, batch_sharding)
         result = {"mesh": text, "variant": variant}
         if variant == "pallas":  # the Pallas kernels (interpreted) run per device via shard_map
-            config = CONFIG.replace(attention_impl="pallas", indexer_impl="pallas", moe_impl="pallas")
-            grad_fn = jax.value_and_grad(make_loss_fn(config, SETTINGS), has_aux=True)
+            options = OPTIONS.replace(attention_impl="pallas", indexer_impl="pallas", moe_impl="pallas")
+            grad_fn = jax.value_and_grad(make_loss_fn(config, SETTINGS, options), has_aux=True)
             (want, _), want_grads = jax.jit(grad_fn)(params, batch)
             shardings = sharding.param_shardings(config, mesh)
             with sharding.activate(mesh, sharding.DEFAULT_RULES):
@@ -105,10 +106,10 @@ def main(meshes):
                           grad_rel=relative_error(got_grads, want_grads),
                           reference_loss_rel=abs(float(want) - float(loss)) / abs(float(loss)))
         elif variant == "ragged":
-            config = CONFIG.replace(expert_dispatch="ragged_all_to_all", moe_impl="ragged")
+            options = OPTIONS.replace(expert_dispatch="ragged_all_to_all", moe_impl="ragged")
             abstract = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
                                     sharding.param_shardings(config, mesh))
-            ragged_grad = jax.value_and_grad(make_loss_fn(config, SETTINGS), has_aux=True)
+            ragged_grad = jax.value_and_grad(make_loss_fn(config, SETTINGS, options), has_aux=True)
             with sharding.activate(mesh, sharding.DEFAULT_RULES):
                 lowered = jax.jit(ragged_grad).trace(abstract, placed_batch).lower().as_text()
             result.update(ragged_all_to_all=lowered.count("ragged_all_to_all"))
@@ -116,8 +117,8 @@ def main(meshes):
             optimizer = make_optimizer(SETTINGS)
             # A copy: the step donates its state, and placing may reuse `params`' buffers.
             state = place_train_state(init_train_state(jax.tree.map(jnp.copy, params), optimizer), config,
-                                      optimizer, mesh)
-            step = make_train_step(config, SETTINGS, optimizer, mesh)
+                                      optimizer, mesh, options=options)
+            step = make_train_step(config, SETTINGS, optimizer, mesh, options=options)
             new_state, metrics = step(state, placed_batch)
             shardings_kept = all(
                 a.sharding.is_equivalent_to(b.sharding, a.ndim)
@@ -128,7 +129,7 @@ def main(meshes):
                           grad_norm_rel=abs(float(metrics["grad_norm"]) - reference_norm) / reference_norm,
                           shardings_kept=bool(shardings_kept), step=int(new_state.step))
         else:
-            fn = make_loss_fn(config, SETTINGS) if variant else value_and_grad
+            fn = make_loss_fn(config, SETTINGS, options) if variant else value_and_grad
             with sharding.activate(mesh, sharding.DEFAULT_RULES):
                 compiled = jax.jit(fn, in_shardings=(param_shardings, batch_sharding)).lower(
                     jax.device_put(params, param_shardings), placed_batch).compile()

@@ -519,6 +519,23 @@ def test_template_loading_and_rejection(tmp_path):
 
 
 # ---------------------------------------------------------------- serve.py
+def test_serve_execution_flags():
+    import serve
+    from glm5_jax.model import options
+
+    assert set(serve.DTYPE_CHOICES) == set(options.DTYPES)  # spelled out in serve.py for a fast --help
+    assert (serve.MOE_IMPL_CHOICES, serve.KERNEL_IMPL_CHOICES) == (options.MOE_IMPLS, options.KERNEL_IMPLS)
+    assert set(serve.EXECUTION_FLAGS) <= set(options.EXECUTION_FIELDS)
+    from glm5_jax.serve.engine import DEFAULT_DECODE_STEPS
+
+    assert serve.DEFAULT_DECODE_STEPS == DEFAULT_DECODE_STEPS
+    args = serve.parse_args(["--dtype", "bfloat16", "--decode-attention-impl", "pallas"])
+    assert (args.dtype, args.decode_attention_impl, args.moe_impl, args.indexer_impl) == (
+        "bfloat16", "pallas", None, None)
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--decode-attention-impl", "triton"])
+
+
 def test_serve_cli_defaults_and_missing_demo_run(tmp_path, monkeypatch, capsys):
     import serve
 

@@ -12,7 +12,8 @@ from transformers import GlmMoeDsaForCausalLM
 
 import glm5_jax
 from glm5_jax import CheckpointError, ConfigError
-from glm5_jax.checkpoint import checkpoint_names
+from glm5_jax.checkpoint import checkpoint_names, read_options
+from glm5_jax.runs import checkpoint_options
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +65,12 @@ def test_transformers_save_loads_with_same_logits(tiny_config, tmp_path):
 def test_load_with_dtype_override(saved):
     path, _ = saved
     config, params = glm5_jax.load_pretrained(path, dtype="bfloat16")
-    assert config.param_dtype == "bfloat16" and config.dtype == "bfloat16"
+    options = read_options(path, "bfloat16")
+    assert options.param_dtype == "bfloat16" and options.dtype == "bfloat16"
+    assert checkpoint_options(path) == glm5_jax.ExecutionOptions()  # saved in float32: the defaults
     assert params["moe_layers"]["attention"]["q_b_proj"].dtype == np.dtype("bfloat16")
     assert params["moe_layers"]["moe"]["router"].dtype == np.float32  # router stays float32
-    logits = glm5_jax.forward(config, params, np.zeros((1, 5), np.int32))
+    logits = glm5_jax.forward(config, params, np.zeros((1, 5), np.int32), options=options)
     assert logits.dtype == np.float32 and np.isfinite(np.asarray(logits)).all()
 
 

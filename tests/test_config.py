@@ -1,11 +1,17 @@
-"""Config validation (errors name the field) and HF config.json conversion."""
+"""Config validation (errors name the field), execution options kept apart from the
+architecture, and HF config.json conversion."""
 
+import jax.numpy as jnp
 import pytest
 from transformers import GlmMoeDsaConfig
 
+import glm5_jax
 from glm5_jax import ConfigError, ModelConfig
-from glm5_jax.checkpoint import config_from_hf, config_to_hf
-from glm5_jax.config_files import load_model_config
+from glm5_jax.checkpoint import config_from_hf, config_to_hf, options_from_hf
+from glm5_jax.config_files import load_config_file, load_execution_options, load_model_config, split_overrides
+from glm5_jax.model.config import MOVED_TO_EXECUTION
+from glm5_jax.model.options import EXECUTION_FIELDS, ExecutionOptions
+from glm5_jax.runs import run_configs
 
 
 @pytest.mark.parametrize("changes, field", [
@@ -22,7 +28,6 @@ from glm5_jax.config_files import load_model_config
     (dict(qk_rope_head_dim=15), "qk_rope_head_dim"),
     (dict(num_dense_layers=5), "num_dense_layers"),
     (dict(hidden_size=0), "hidden_size"),
-    (dict(dtype="float64"), "dtype"),
     (dict(num_mtp_layers=2), "num_mtp_layers"),
 ])
 def test_invalid_fields_are_named(tiny_config, changes, field):
@@ -33,6 +38,63 @@ def test_invalid_fields_are_named(tiny_config, changes, field):
 def test_unknown_field_is_named(tiny_config):
     with pytest.raises(ConfigError, match="num_expert"):
         ModelConfig.from_dict({**tiny_config.to_dict(), "num_expert": 4})
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(dtype="float64"), "dtype"), (dict(param_dtype="int8"), "param_dtype"),
+    (dict(remat="some"), "remat"), (dict(moe_impl="loop"), "moe_impl"),
+    (dict(attention_impl="cuda"), "attention_impl"), (dict(indexer_impl="x"), "indexer_impl"),
+    (dict(decode_attention_impl="x"), "decode_attention_impl"),
+    (dict(expert_dispatch="gather"), "expert_dispatch"),
+    (dict(expert_capacity_factor=0.5), "expert_capacity_factor"),
+    (dict(pipeline_microbatches=-1), "pipeline_microbatches"), (dict(no_such_option=1), "no_such_option"),
+])
+def test_invalid_execution_options_are_named(changes, field):
+    with pytest.raises(ConfigError, match=field):
+        ExecutionOptions.from_dict(changes)
+
+
+def test_execution_fields_are_not_architecture(tiny_config):
+    assert set(MOVED_TO_EXECUTION) == set(EXECUTION_FIELDS)
+    with pytest.raises(ConfigError, match="moe_impl.*`execution` section"):
+        ModelConfig.from_dict({**tiny_config.to_dict(), "moe_impl": "blocked"})
+    with pytest.raises(ConfigError, match="remat.*`execution` section"):
+        tiny_config.replace(remat="full")
+    options = ExecutionOptions().replace(dtype="bfloat16")
+    assert options.compute_dtype == jnp.bfloat16 and options.weight_dtype == jnp.float32
+    assert hash(options) == hash(ExecutionOptions(dtype="bfloat16"))
+    assert load_execution_options("configs/glm5.py").param_dtype == "bfloat16"
+    assert split_overrides({"remat": "full", "num_layers": 2}) == ({"num_layers": 2}, {"remat": "full"})
+
+
+def test_old_run_config_with_execution_fields_in_model_still_loads(tiny_config):
+    """Runs saved before the `execution` section kept its fields in `model`: they are split out."""
+    old = {"model": {**tiny_config.to_dict(), "dtype": "bfloat16", "moe_impl": "blocked"}}
+    config, options = run_configs(old)
+    assert config == tiny_config
+    assert options == ExecutionOptions(dtype="bfloat16", moe_impl="blocked")
+    new = {"model": tiny_config.to_dict(), "execution": {"remat": "full"}}
+    assert run_configs(new) == (tiny_config, ExecutionOptions(remat="full"))
+
+
+def test_entry_points_take_a_config_file_config_or_say_what_they_expect(tiny_config):
+    whole = load_config_file("configs/tiny.py")
+    whole.execution.param_dtype = "bfloat16"
+    assert glm5_jax.count_params(whole) == glm5_jax.count_params(tiny_config)
+    shapes = glm5_jax.model.param_shapes(whole)  # the `execution` section applies
+    assert shapes["embed"].dtype == jnp.bfloat16
+    assert shapes["moe_layers"]["moe"]["router"].dtype == jnp.float32
+    with pytest.raises(TypeError, match="ModelConfig.*got ConfigDict without a `model` section"):
+        glm5_jax.count_params(whole.model)
+    with pytest.raises(TypeError, match="ModelConfig.*got str"):
+        glm5_jax.forward("configs/tiny.py", {}, jnp.zeros((1, 2), jnp.int32))
+
+
+def test_hf_dtype_is_storage(tiny_config):
+    hf = config_to_hf(tiny_config, "bfloat16")
+    assert hf["dtype"] == "bfloat16" and config_from_hf(hf) == tiny_config
+    assert options_from_hf(hf) == ExecutionOptions(dtype="bfloat16", param_dtype="bfloat16")
+    assert options_from_hf(hf, "float32") == ExecutionOptions()
 
 
 def test_missing_config_file():

@@ -29,7 +29,7 @@ def model(tiny_config):
 @pytest.fixture(scope="module")
 def engine(model):
     config, params = model
-    engine = Engine(config, params, None, max_slots=3, max_context=MAX_CONTEXT, seed=0, token_budget=32)
+    engine = Engine(config, params, None, max_slots=3, max_context=MAX_CONTEXT, seed=0, token_budget=16)
     yield engine
     engine.shutdown()
 

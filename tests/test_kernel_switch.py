@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from reference import random_params
 
+from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.transformer import apply_model, sown_values
 
 TOL = 2e-4
@@ -28,12 +29,12 @@ def _inputs(config):
     return input_ids, jnp.asarray(positions, jnp.int32), jnp.asarray(segment_ids)
 
 
-def _loss_and_grads(config, params, inputs):
+def _loss_and_grads(config, params, inputs, options=None):
     """(loss, (logits, smallest selection gap)), gradients: one compilation per config."""
     weights = jax.random.normal(jax.random.key(2), (2, 13, config.vocab_size))
 
     def loss(p):
-        out = apply_model(config, p, *inputs, collect_intermediates=True)
+        out = apply_model(config, p, *inputs, collect_intermediates=True, options=options)
         gap = jnp.min(jnp.stack([jnp.min(v) for _, v in sown_values(out["intermediates"], "selection_gap")]))
         return jnp.sum(out["logits"] * weights), (out["logits"], gap)
 
@@ -46,19 +47,20 @@ def _assert_close(actual, expected, what):
     np.testing.assert_allclose(actual, expected, atol=TOL * scale, rtol=0, err_msg=what)
 
 
-def _pallas_calls(config, params, inputs) -> int:
+def _pallas_calls(config, params, inputs, options=None) -> int:
     """How many pallas_call equations the model's traced program holds (guards against a switch
     that never reaches the layers, which would make the comparison vacuous)."""
-    jaxpr = jax.make_jaxpr(lambda p: apply_model(config, p, *inputs)["logits"])(params)
+    jaxpr = jax.make_jaxpr(lambda p: apply_model(config, p, *inputs, options=options)["logits"])(params)
     return str(jaxpr).count("pallas_call")
 
 
 def _check_switch(reference_config, params, inputs, **impls):
     assert _pallas_calls(reference_config, params, inputs) == 0
-    assert _pallas_calls(reference_config.replace(**impls), params, inputs) >= 3  # indexer, sparse, flash
+    options = ExecutionOptions(**impls)
+    assert _pallas_calls(reference_config, params, inputs, options) >= 3  # indexer, sparse, flash
     (ref_loss, (ref_logits, gap)), ref_grads = _loss_and_grads(reference_config, params, inputs)
     assert float(gap) > MIN_GAP, "a near-tie at the top-k boundary: pick another seed"
-    (loss, (logits, _)), grads = _loss_and_grads(reference_config.replace(**impls), params, inputs)
+    (loss, (logits, _)), grads = _loss_and_grads(reference_config, params, inputs, options)
     _assert_close(logits, ref_logits, f"logits with {impls}")
     _assert_close(loss, ref_loss, "loss")
     flat = dict(jax.tree_util.tree_leaves_with_path(grads))

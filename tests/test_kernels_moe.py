@@ -15,6 +15,7 @@ import pytest
 from reference import random_params
 
 import glm5_jax
+from glm5_jax.model.options import ExecutionOptions
 from kernels_pallas.common import CUSTOM_CALL_MARKERS, lower_as_text
 from kernels_pallas.moe_grouped_matmul import (
     Tiling,
@@ -169,15 +170,15 @@ def test_tiny_model_pallas_equals_blocked(tiny_config):
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, tiny_config.vocab_size)
     targets = jnp.roll(ids, -1, axis=1)
 
-    def loss_and_logits(config, params):
-        logits = glm5_jax.forward(config, params, ids)
+    def loss_and_logits(options, params):
+        logits = glm5_jax.forward(tiny_config, params, ids, options=options)
         loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
         return loss, logits
 
     results = {}
     for impl in ("pallas", "blocked"):
-        config = tiny_config.replace(moe_impl=impl)
-        results[impl] = jax.jit(jax.value_and_grad(functools.partial(loss_and_logits, config),
+        options = ExecutionOptions(moe_impl=impl)
+        results[impl] = jax.jit(jax.value_and_grad(functools.partial(loss_and_logits, options),
                                                    has_aux=True))(params)
     (loss, logits), grads = results["pallas"]
     (loss_ref, logits_ref), grads_ref = results["blocked"]

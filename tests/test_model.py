@@ -16,6 +16,7 @@ from glm5_jax.model.moe import (
     route,
     routed_experts_blocked,
     routed_experts_dense,
+    routed_experts_gathered,
     routed_experts_ragged,
 )
 
@@ -148,7 +149,7 @@ def test_mtp_logits_shape(tiny_config, tiny_params):
 
 
 @pytest.mark.parametrize("routed_experts", [
-    routed_experts_ragged, routed_experts_dense, routed_experts_blocked,
+    routed_experts_ragged, routed_experts_dense, routed_experts_blocked, routed_experts_gathered,
     functools.partial(routed_experts_blocked, block_rows=4)])
 def test_routed_experts_equal_a_per_expert_loop(routed_experts):
     rng = np.random.default_rng(7)

@@ -8,6 +8,7 @@ import pytest
 from reference import perturbed_params
 
 import glm5_jax
+from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.paged_decode import (
     StepBatch,
     init_paged_cache,
@@ -40,7 +41,7 @@ def schedule(lengths, chunk):
     return steps
 
 
-def paged_logits(config, params, sequences, chunk):
+def paged_logits(config, params, sequences, chunk, options=None):
     """Teacher-forced paged run; single tokens go to decode rows, longer runs to chunk rows (one
     padded row shape). Returns {sequence: logits [len, V]}."""
     num_pages = len(sequences) * MAX_PAGES + 1
@@ -67,33 +68,33 @@ def paged_logits(config, params, sequences, chunk):
                 owners += [(s, ROWS + r * chunk_len + i) for i in range(count)]
         batch = StepBatch(decode_tokens, decode_positions, chunk_tokens, chunk_positions, block)
         logits, cache = paged_step(config, params, cache, batch, np.asarray([i for _, i in owners]),
-                                   block_pages=BLOCK_PAGES)
+                                   options=options, block_pages=BLOCK_PAGES)
         for (s, _), row in zip(owners, np.asarray(logits), strict=True):
             rows[s].append(row)
     return {s: np.stack(r) for s, r in rows.items()}, cache
 
 
-@pytest.mark.parametrize("variant,chunk", [
-    (dict(), (5, 1, 3)),
+@pytest.mark.parametrize("variant,options,chunk", [
+    (dict(), None, (5, 1, 3)),
     (dict(attention_types=["dsa", "sliding_window", "dsa", "sliding_window"], sliding_window=5,
-          indexer_types=["full", "full", "shared", "full"]), (8, 3, 2)),
+          indexer_types=["full", "full", "shared", "full"]), None, (8, 3, 2)),
     (dict(num_layers=2, indexer_types=["full"] * 2, attention_types=["sliding_window"] * 2,
-          sliding_window=3, moe_impl="blocked"), (3, 4, 1)),
+          sliding_window=3), ExecutionOptions(moe_impl="blocked"), (3, 4, 1)),
     # The Pallas kernel (interpret mode on CPU) reading pages through the block table.
     # Two layers (one per stack, one of each kind) keep the interpreted kernel's compile short.
     (dict(num_layers=2, indexer_types=["full"] * 2, attention_types=["dsa", "sliding_window"],
-          sliding_window=5, decode_attention_impl="pallas"), (6, 2, 3)),
+          sliding_window=5), ExecutionOptions(decode_attention_impl="pallas"), (6, 2, 3)),
 ])
-def test_paged_rows_equal_forward_rows(tiny_config, variant, chunk):
+def test_paged_rows_equal_forward_rows(tiny_config, variant, options, chunk):
     config = tiny_config.replace(num_mtp_layers=0, **variant)
     params = perturbed_params(config, 3)
     rng = np.random.default_rng(4)
     sequences = [rng.integers(0, config.vocab_size, n).tolist() for n in (21, 14, 17)]
-    paged, _ = paged_logits(config, params, sequences, chunk)
+    paged, _ = paged_logits(config, params, sequences, chunk, options)
     # One causal forward over the sequences padded to one length: row p depends on tokens <= p only.
     longest = max(len(s) for s in sequences)
     batch = np.asarray([s + [0] * (longest - len(s)) for s in sequences])
-    outputs = glm5_jax.apply_model(config, params, batch, collect_intermediates=True)
+    outputs = glm5_jax.apply_model(config, params, batch, collect_intermediates=True, options=options)
     gaps = [float(np.min(v)) for _, v in sown_values(outputs["intermediates"], "selection_gap")]
     assert min(gaps) > 1e-5, f"top-k boundary tie (gap {min(gaps):.3g}); choose another seed"
     for s, sequence in enumerate(sequences):
@@ -105,7 +106,7 @@ def test_padding_writes_nothing_and_pages_round_trip(tiny_config):
     config = tiny_config.replace(num_mtp_layers=0)
     params = perturbed_params(config, 3)
     cache = init_paged_cache(config, 3, PAGE)
-    assert cache["moe_layers"]["latent"].shape == (3, 3, PAGE, config.kv_lora_rank)
+    assert cache["moe_layers"]["latent"].shape == (3 * 3, PAGE, config.kv_lora_rank)  # [L * P, page, R]
     assert paged_cache_bytes_per_page(config, PAGE) == sum(
         leaf.nbytes for leaf in jax.tree.leaves(cache)) // 3
     # One chunk row of three real tokens and five padding tokens, plus an all-padding decode row.
@@ -114,14 +115,17 @@ def test_padding_writes_nothing_and_pages_round_trip(tiny_config):
     block = np.tile(np.array([[2, 0]], np.int32), (2, 1))
     batch = StepBatch(np.zeros(1, np.int32), np.full(1, -1, np.int32), chunk_tokens, chunk_positions, block)
     _, cache = paged_step(config, params, cache, batch, np.arange(9), block_pages=1)
-    written = np.asarray(cache["moe_layers"]["latent"])
+    def by_layer(pool):  # [L * P, page, F] -> [L, P, page, F]
+        return np.asarray(pool).reshape((-1, 3) + pool.shape[1:])
+
+    written = by_layer(cache["moe_layers"]["latent"])
     assert np.all(written[:, :2] == 0)  # pages 0, 1 untouched (padding rows point at page 2 too)
     assert np.all(written[:, 2, 3] == 0) and np.all(np.abs(written[:, 2, :3]).sum(-1) > 0)
-    saved = jax.tree.map(np.asarray, read_page(cache, 2))
-    cache = write_page(cache, 0, saved)
-    np.testing.assert_array_equal(np.asarray(cache["moe_layers"]["latent"])[:, 0], written[:, 2])
-    np.testing.assert_array_equal(np.asarray(cache["dense_layers"]["index_keys"])[:, 0],
-                                  np.asarray(cache["dense_layers"]["index_keys"])[:, 2])
+    saved = jax.tree.map(np.asarray, read_page(cache, 2, num_pages=3))
+    cache = write_page(cache, 0, saved, num_pages=3)
+    np.testing.assert_array_equal(by_layer(cache["moe_layers"]["latent"])[:, 0], written[:, 2])
+    index_keys = by_layer(cache["dense_layers"]["index_keys"])
+    np.testing.assert_array_equal(index_keys[:, 0], index_keys[:, 2])
 
 
 def test_bad_pool_is_rejected(tiny_config):

@@ -38,7 +38,7 @@ def finish_prefill(scheduler, plan):
 def test_shapes():
     assert chunk_geometries(256) == [(16, 16), (4, 64), (1, 256)]
     assert chunk_geometries(16) == [(1, 16)]
-    assert decode_buckets(32) == [1, 2, 4, 8, 16, 32] and decode_buckets(3) == [1, 2, 3]
+    assert decode_buckets(32) == [1, 4, 16, 32] and decode_buckets(3) == [1, 3] and decode_buckets(1) == [1]
 
 
 def test_prefill_geometry_then_multi_step_decode():

@@ -50,6 +50,7 @@ def server(checkpoint, tmp_path_factory):
     process = subprocess.Popen(
         [sys.executable, "serve.py", "--checkpoint", str(directory), "--port", str(port),
          "--max-slots", "4", "--max-context", "64", "--api-key", "secret", "--page-size", "8",
+         "--token-budget", "16",
          "--server-config", str(server_config)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300

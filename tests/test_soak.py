@@ -71,7 +71,8 @@ def server(tiny_config):
     tokenizer = train_bpe_tokenizer(TEXT, vocab_size=320)
     metrics = ServerMetrics()
     engine = Engine(config, params, tokenizer, max_slots=32, max_context=MAX_CONTEXT, seed=0,
-                    page_size=PAGE_SIZE, token_budget=128, observer=metrics)
+                    page_size=PAGE_SIZE, token_budget=16, observer=metrics)
+    engine.warm_up()  # every step shape, before clients with timeouts arrive
     try:
         with running(create_app(engine, MODEL, metrics=metrics)) as url:
             yield url, engine, metrics

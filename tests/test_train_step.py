@@ -10,6 +10,7 @@ import pytest
 from reference import random_params
 
 import glm5_jax
+from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.train.loss import shifted_targets
 from glm5_jax.train.optimizer import make_optimizer
 from glm5_jax.train.settings import TrainSettings
@@ -24,8 +25,7 @@ def batch_of(ids):
 
 @pytest.fixture(scope="module")
 def small(tiny_config):
-    config = tiny_config.replace(initializer_range=0.02, moe_impl="dense", num_layers=2,
-                                 indexer_types=[], attention_types=[])
+    config = tiny_config.replace(initializer_range=0.02, num_layers=2, indexer_types=[], attention_types=[])
     rng = np.random.default_rng(0)
     return config, batch_of(rng.integers(0, 16, (4, 24)))
 
@@ -36,14 +36,15 @@ pytestmark = pytest.mark.xdist_group("train_step")
 # One settings object for every step below, so tests that differ only in inputs share one compiled
 # program (the persistent compilation cache of tests/conftest.py serves the repeats).
 PLAIN = TrainSettings(num_train_steps=20, batch_size=4, warmup_steps=0)
+DENSE = ExecutionOptions(moe_impl="dense")
 
 
-def run_steps(config, settings, batch, steps, snapshot_at=None):
+def run_steps(config, settings, batch, steps, snapshot_at=None, options=DENSE):
     """Runs `steps` steps from random params; returns (state, losses, last metrics), where state
     is the state after `snapshot_at` steps (default: the end) as numpy arrays."""
     optimizer = make_optimizer(settings)
     state = init_train_state(random_params(config, 0), optimizer)
-    step = make_train_step(config, settings, optimizer)
+    step = make_train_step(config, settings, optimizer, options=options)
     losses, snapshot = [], None
     for index in range(steps):
         state, metrics = step(state, batch)  # donates the previous state
@@ -80,7 +81,7 @@ def test_gradient_accumulation_matches_one_big_batch(small, plain_run):
 @pytest.mark.parametrize("policy", ["full", "save_matmuls"])
 def test_remat_policies_do_not_change_gradients(small, plain_run, policy):
     config, batch = small
-    remat = run_steps(config.replace(remat=policy), PLAIN, batch, 2)
+    remat = run_steps(config, PLAIN, batch, 2, options=DENSE.replace(remat=policy))
     np.testing.assert_allclose(plain_run[1][:2], remat[1], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  plain_run[0].params, remat[0].params)
@@ -93,7 +94,7 @@ def test_non_finite_step_is_skipped(small):
     params["lm_head"] = params["lm_head"].at[0, 0].set(jnp.nan)
     state = init_train_state(params, optimizer)
     before = jax.tree.map(np.asarray, state.params)
-    state, metrics = make_train_step(config, PLAIN, optimizer)(state, batch)
+    state, metrics = make_train_step(config, PLAIN, optimizer, options=DENSE)(state, batch)
     assert not bool(metrics["finite"]) and int(state.step) == 1
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), before,
                  jax.tree.map(np.asarray, state.params))

@@ -11,8 +11,8 @@ def get_config(data_glob: str = "") -> ml_collections.ConfigDict:
         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_experts=4,
         num_experts_per_token=2, num_shared_experts=1, index_num_heads=4, index_head_dim=16,
         index_topk=16, rope_theta=10000.0, max_position_embeddings=1024, num_mtp_layers=1,
-        eos_token_ids=[0], pad_token_id=0, bos_token_id=None, moe_impl="dense",
-        initializer_range=0.02))
+        eos_token_ids=[0], pad_token_id=0, bos_token_id=None, initializer_range=0.02))
+    config.execution = ml_collections.ConfigDict(dict(moe_impl="dense"))
     config.data = ml_collections.ConfigDict(dict(
         sources=[dict(kind="files", name="test_files", paths=[data_glob], weight=1.0)],
         tokenizer_path="", vocab_size=512, cache_dir="", seq_len=32, validation_fraction=0.2,

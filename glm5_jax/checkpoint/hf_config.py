@@ -1,6 +1,8 @@
 """Hugging Face `config.json` (model_type "glm_moe_dsa") <-> ModelConfig.
 
-Our field names are spelled out; this table is the one place that knows the HF names.
+Our field names are spelled out; this table is the one place that knows the HF names. The
+checkpoint's `dtype` (`torch_dtype`) is storage, not architecture: `options_from_hf` maps it to
+the default ExecutionOptions (param_dtype and compute dtype) for that checkpoint.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from glm5_jax.model.config import ConfigError, ModelConfig, indexer_pattern
+from glm5_jax.model.options import ExecutionOptions
 
 MODEL_TYPE = "glm_moe_dsa"
 ARCHITECTURE = "GlmMoeDsaForCausalLM"
@@ -53,8 +56,8 @@ FIXED_FIELDS = {
 EXTENSION_FIELDS = ("attention_types", "sliding_window")
 
 
-def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
-    """Reads an HF config.json dict. dtype overrides the checkpoint's dtype for params and compute."""
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Reads an HF config.json dict (the architecture; see `options_from_hf` for its dtype)."""
     if hf.get("model_type") != MODEL_TYPE:
         raise ConfigError(
             f"model_type: expected {MODEL_TYPE!r} (GLM-5 family), got {hf.get('model_type')!r}")
@@ -105,14 +108,24 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
         if field in hf:
             values[field] = hf[field]
 
-    checkpoint_dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
-    values["param_dtype"] = dtype or checkpoint_dtype
-    values["dtype"] = dtype or checkpoint_dtype
     return ModelConfig.from_dict(values)
 
 
-def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """The HF config.json dict for `config` (loadable by transformers' GlmMoeDsaConfig)."""
+def checkpoint_dtype(hf: dict[str, Any]) -> str:
+    """The storage dtype an HF config.json declares ("float32" when it declares none)."""
+    return str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+
+
+def options_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ExecutionOptions:
+    """Default ExecutionOptions for an HF checkpoint: weights stored and computed in the
+    checkpoint's dtype, or in `dtype` when given; every other option at its default."""
+    name = dtype or checkpoint_dtype(hf)
+    return ExecutionOptions(dtype=name, param_dtype=name)
+
+
+def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """The HF config.json dict for `config` (loadable by transformers' GlmMoeDsaConfig); dtype:
+    the storage dtype of the weights written with it."""
     hf: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
     for ours, theirs in RENAMED_FIELDS.items():
         hf[theirs] = getattr(config, ours)
@@ -126,7 +139,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     hf["eos_token_id"] = (config.eos_token_ids[0] if len(config.eos_token_ids) == 1
                           else list(config.eos_token_ids))
     hf["num_nextn_predict_layers"] = config.num_mtp_layers
-    hf["dtype"] = config.param_dtype
+    hf["dtype"] = dtype
     if set(config.attention_types) != {"dsa"}:
         hf["attention_types"] = list(config.attention_types)
         hf["sliding_window"] = config.sliding_window

@@ -23,7 +23,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from glm5_jax.checkpoint.hf_config import config_from_hf, config_to_hf
+from glm5_jax.checkpoint.hf_config import config_from_hf, config_to_hf, options_from_hf
 from glm5_jax.checkpoint.names import (
     FP8_BLOCK,
     SCALE_SUFFIX,
@@ -37,6 +37,7 @@ from glm5_jax.checkpoint.names import (
     to_ours,
 )
 from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.transformer import param_shapes
 from glm5_jax.quant.formats import QuantizedTensor, is_quantized
 from glm5_jax.quant.recipes import weight_layout
@@ -78,14 +79,22 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
         return {name: single for name in handle.keys()}
 
 
-def read_config(path: str | os.PathLike, dtype=None) -> ModelConfig:
-    """The ModelConfig of an HF checkpoint directory."""
-    directory = Path(path)
-    config_path = directory / "config.json"
+def _read_hf_config(path: str | os.PathLike) -> dict:
+    config_path = Path(path) / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{config_path} is missing")
-    dtype_name = None if dtype is None else jnp.dtype(dtype).name
-    return config_from_hf(json.loads(config_path.read_text()), dtype_name)
+    return json.loads(config_path.read_text())
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of an HF checkpoint directory."""
+    return config_from_hf(_read_hf_config(path))
+
+
+def read_options(path: str | os.PathLike, dtype=None) -> ExecutionOptions:
+    """The default ExecutionOptions of an HF checkpoint directory: its stored dtype (or `dtype`,
+    e.g. "bfloat16" or jnp.float32) for weights and compute."""
+    return options_from_hf(_read_hf_config(path), None if dtype is None else jnp.dtype(dtype).name)
 
 
 def _read_fp8(file: Path, hf_name: str) -> np.ndarray:
@@ -152,16 +161,18 @@ def _dequantize_fp8(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
 def load_pretrained(path: str | os.PathLike, dtype=None, keep_fp8: bool = False):
     """Loads an HF checkpoint directory -> (ModelConfig, params).
 
-    dtype (e.g. "bfloat16", jnp.float32) overrides the checkpoint's dtype for weights and
-    compute; the router, its bias and the indexer's head weights stay float32. The MTP layer
-    (stored as layer `num_hidden_layers`) is loaded when present.
+    dtype (e.g. "bfloat16", jnp.float32) overrides the checkpoint's dtype for the weights (the
+    matching ExecutionOptions come from `read_options(path, dtype)`); the router, its bias and
+    the indexer's head weights stay float32. The MTP layer (stored as layer `num_hidden_layers`)
+    is loaded when present.
 
     FP8 checkpoints (`weight` float8_e4m3fn + `weight_scale_inv` per 128x128 block) are
-    dequantized to the config's dtype, or with keep_fp8 kept as glm5_jax.quant QuantizedTensors
+    dequantized to that dtype, or with keep_fp8 kept as glm5_jax.quant QuantizedTensors
     ("fp8" format; the model dequantizes them per layer).
     """
     directory = Path(path)
-    config = read_config(directory, dtype)
+    config = read_config(directory)
+    options = read_options(directory, dtype)
     files = _tensor_files(directory)
     if config.num_mtp_layers and not any(
             n.startswith(f"model.layers.{config.num_layers}.") for n in files):
@@ -178,7 +189,7 @@ def load_pretrained(path: str | os.PathLike, dtype=None, keep_fp8: bool = False)
             f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
 
     # Host buffers of the final shapes; shared-indexer layers keep zeros (never used).
-    buffers = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), param_shapes(config))
+    buffers = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), param_shapes(config, options=options))
     kept = _fp8_buffers(buffers, names, scaled) if keep_fp8 else {}
     by_file: dict[Path, list[TensorName]] = {}
     for name in names:
@@ -274,6 +285,12 @@ def _assign_shards(entries: Iterable[tuple[TensorName, int]], limit: int) -> lis
     return shards
 
 
+def _storage_dtype(params) -> str:
+    """The dtype name the weights are stored in (the embedding table's), for config.json."""
+    embed = params.get("embed") if isinstance(params, dict) else None
+    return jnp.dtype(embed.dtype).name if embed is not None else "float32"
+
+
 def save_pretrained(config: ModelConfig, params, path: str | os.PathLike,
                     max_shard_size: int | str = "5GB") -> None:
     """Writes params in the HF layout (config.json, safetensors shards and their index).
@@ -325,7 +342,7 @@ def save_pretrained(config: ModelConfig, params, path: str | os.PathLike,
         if len(shards) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
-        hf_config = config_to_hf(config)
+        hf_config = config_to_hf(config, _storage_dtype(params))
         if any(is_quantized(leaf) for leaf in leaves.values()):
             hf_config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                                 "activation_scheme": "dynamic",

@@ -3,7 +3,9 @@
 Config files under `configs/` are data (`get_config()` returning a ConfigDict with a `model`
 section). `ModelConfig.from_dict` converts that section once; every check happens there and an
 error names the offending field. Field names are spelled out; the mapping to Hugging Face
-`config.json` names lives in `glm5_jax.checkpoint.hf_config`.
+`config.json` names lives in `glm5_jax.checkpoint.hf_config`. ModelConfig is the architecture
+only; how the model runs (dtypes, kernels, remat, MoE dispatch) is `ExecutionOptions`
+(glm5_jax/model/options.py, the config file's `execution` section).
 """
 
 from __future__ import annotations
@@ -13,15 +15,14 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax.numpy as jnp
-
 INDEXER_TYPES = ("full", "shared")
 ATTENTION_TYPES = ("dsa", "sliding_window")
-REMAT_POLICIES = ("none", "full", "save_matmuls")
-MOE_IMPLS = ("ragged", "blocked", "dense", "pallas")
-KERNEL_IMPLS = ("reference", "pallas")
-EXPERT_DISPATCHES = ("all_to_all", "ragged_all_to_all")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Execution fields (glm5_jax.model.options.ExecutionOptions) that older config files and saved
+# runs kept in the `model` section.
+MOVED_TO_EXECUTION = (
+    "dtype", "param_dtype", "remat", "moe_impl", "attention_impl", "indexer_impl",
+    "decode_attention_impl", "expert_dispatch", "expert_capacity_factor", "pipeline_microbatches",
+)
 
 
 class ConfigError(ValueError):
@@ -48,7 +49,8 @@ def indexer_pattern(num_layers: int, frequency: int = 1, offset: int = 2) -> tup
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Every architecture field of GLM-5 (see docs and glm5-reference.md for meanings)."""
+    """Every architecture field of GLM-5 (see docs and glm5-reference.md for meanings); execution
+    choices live in ExecutionOptions."""
 
     vocab_size: int = 154880
     hidden_size: int = 6144
@@ -89,32 +91,6 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (154820, 154827, 154829)
     pad_token_id: int | None = 154820
-    dtype: str = "float32"  # compute dtype of activations
-    param_dtype: str = "float32"  # storage dtype of weights (router and its bias stay float32)
-    # Gradient checkpointing of each decoder layer: "none", "full" (recompute everything in the
-    # backward pass) or "save_matmuls" (keep matmul outputs, recompute the rest).
-    remat: str = "none"
-    # Routed-expert computation, all dropless and equal: "ragged" (tokens sorted by expert,
-    # lax.ragged_dot: GPU/TPU), "blocked" (sorted rows padded into per-expert blocks, batched
-    # matmuls: fast on CPUs) or "dense" (every expert on every token, weighted).
-    moe_impl: str = "ragged"
-    # Hand-written kernels per op (kernels_pallas/): "reference" (plain jnp, runs everywhere, the
-    # CPU default) or "pallas" (Triton on NVIDIA GPUs, Mosaic on TPUs; moe_impl="pallas" is the
-    # grouped-matmul kernel). attention_impl: prefill/training attention (flash attention, and
-    # gathered top-k attention on DSA layers); indexer_impl: DSA indexer scores fused with top-k;
-    # decode_attention_impl: MLA attention over the paged latent cache.
-    attention_impl: str = "reference"
-    indexer_impl: str = "reference"
-    decode_attention_impl: str = "reference"
-    # Expert parallelism (used when the mesh has an expert axis > 1): tokens travel to the devices
-    # owning their experts with "all_to_all" (fixed-size buffers, every backend) or
-    # "ragged_all_to_all" (GPU/TPU only). Per-device buffer capacity = factor * average load;
-    # 0 means dropless (capacity = the worst case), equal to the unsharded MoE.
-    expert_dispatch: str = "all_to_all"
-    expert_capacity_factor: float = 0.0
-    # Pipeline parallelism (used when the mesh has a pipeline axis > 1): microbatches per batch
-    # in the GPipe schedule; 0 picks 4 x stages (or the largest of 2x, 1x dividing the batch).
-    pipeline_microbatches: int = 0
 
     # ------------------------------------------------------------------ derived
     @property
@@ -128,14 +104,6 @@ class ModelConfig:
     @property
     def shared_intermediate_size(self) -> int:
         return self.moe_intermediate_size * self.num_shared_experts
-
-    @property
-    def compute_dtype(self):
-        return DTYPES[self.dtype]
-
-    @property
-    def weight_dtype(self):
-        return DTYPES[self.param_dtype]
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A new validated config with some fields changed."""
@@ -153,6 +121,12 @@ class ModelConfig:
         """
         if hasattr(values, "to_dict"):
             values = values.to_dict()
+        moved = [name for name in MOVED_TO_EXECUTION if name in values]
+        if moved:
+            raise ConfigError(
+                f"{', '.join(moved)}: execution option(s), not architecture: they moved from the "
+                "`model` section to the `execution` section (ExecutionOptions, "
+                "glm5_jax/model/options.py); pass them as options= / config.execution.*")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -209,17 +183,6 @@ class ModelConfig:
         for field in ("rms_norm_eps", "latent_norm_eps", "index_norm_eps"):
             require(getattr(self, field) > 0, field, "must be > 0")
         require(self.num_mtp_layers in (0, 1), "num_mtp_layers", "must be 0 or 1")
-        require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}")
-        require(self.param_dtype in DTYPES, "param_dtype", f"must be one of {sorted(DTYPES)}")
-        require(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}")
-        require(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
-        for field in ("attention_impl", "indexer_impl", "decode_attention_impl"):
-            require(getattr(self, field) in KERNEL_IMPLS, field, f"must be one of {KERNEL_IMPLS}")
-        require(self.expert_dispatch in EXPERT_DISPATCHES, "expert_dispatch",
-                f"must be one of {EXPERT_DISPATCHES}")
-        require(self.pipeline_microbatches >= 0, "pipeline_microbatches", "must be >= 0 (0 = automatic)")
-        require(self.expert_capacity_factor == 0 or self.expert_capacity_factor >= 1,
-                "expert_capacity_factor", "must be 0 (dropless) or >= 1")
 
         require(len(self.indexer_types) == self.num_layers, "indexer_types",
                 f"needs one entry per layer ({self.num_layers})")
@@ -241,3 +204,21 @@ class ModelConfig:
             require(seen_full or indexer == "full", "indexer_types",
                     f"layer {layer} is 'shared' but no earlier DSA layer is 'full'")
             seen_full = seen_full or indexer == "full"
+
+
+def as_model_config(config) -> ModelConfig:
+    """`config` as a ModelConfig: a ModelConfig as is, or a whole config (what a `configs/*.py`
+    get_config() returns, or a saved run_config dict) through its `model` section.
+
+    Raises TypeError naming what was passed otherwise.
+    """
+    if isinstance(config, ModelConfig):
+        return config
+    mapping = isinstance(config, Mapping) or hasattr(config, "to_dict")
+    if mapping and "model" in config:
+        return ModelConfig.from_dict(config["model"])
+    raise TypeError(
+        f"expected a ModelConfig, or a config with a `model` section (what configs/*.py "
+        f"get_config() returns), got {type(config).__name__}"
+        + (" without a `model` section (for a bare model section use ModelConfig.from_dict)"
+           if mapping else ""))

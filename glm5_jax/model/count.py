@@ -6,7 +6,7 @@ import math
 
 import jax
 
-from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.config import ModelConfig, as_model_config
 from glm5_jax.model.transformer import param_shapes
 
 
@@ -23,7 +23,10 @@ def count_params(config: ModelConfig) -> dict[str, int]:
     active: parameters a token's forward pass multiplies with: total minus the embedding table
       (a lookup) minus the routed experts a token does not use (num_experts - top-k per MoE layer).
     mtp: the multi-token-prediction layer (0 when the config has none).
+
+    config: a ModelConfig or a whole config (configs/*.py get_config(): its `model` section).
     """
+    config = as_model_config(config)
     shapes = param_shapes(config)
     total = _size({k: v for k, v in shapes.items() if k != "mtp"})
     per_layer_indexer = {

@@ -164,9 +164,47 @@ def routed_experts_pallas(x: jax.Array, weights: jax.Array, experts: jax.Array, 
     return kernel(x, weights, experts, gate_proj, up_proj, down_proj)
 
 
-# config.moe_impl -> the routed-expert computation (all give the same result).
+def routed_experts_gathered(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
+                            up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+    """Each token through its own K experts, their weights gathered per token.
+
+    Same shapes and result as `routed_experts_ragged`. Reads T*K expert matrices: the cheapest
+    path when that is below the expert count (decoding a few sequences), where the others read
+    (or copy) every expert's weights.
+    """
+    dtype = x.dtype
+    gate = jnp.einsum("TD,TKDF->TKF", x, gate_proj.astype(dtype)[experts])
+    up = jnp.einsum("TD,TKDF->TKF", x, up_proj.astype(dtype)[experts])
+    out = jnp.einsum("TKF,TKFD->TKD", jax.nn.silu(gate) * up, down_proj.astype(dtype)[experts])
+    return jnp.einsum("TK,TKD->TD", weights.astype(dtype), out)
+
+
+# ExecutionOptions.moe_impl -> the routed-expert computation (all give the same result).
 ROUTED_EXPERTS = {"dense": routed_experts_dense, "blocked": routed_experts_blocked,
                   "ragged": routed_experts_ragged, "pallas": routed_experts_pallas}
+
+
+def routed_experts(tokens: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
+                   up_proj: jax.Array, down_proj: jax.Array,
+                   spec: MoESpec) -> tuple[jax.Array, jax.Array | None]:
+    """The one routed-experts dispatcher (training, forward and the serving step).
+
+    tokens: [T, D]; weights, experts: [T, K]. Returns (y [T, D], dropped token copies or None).
+    Expert-parallel when a mesh with an expert axis is active; else, with at most E token copies
+    (T * K <= E: decoding a few sequences) the gathered path; else `spec.impl`.
+    """
+    mesh = expert_mesh()
+    if mesh is not None:
+        return routed_experts_sharded(tokens, weights, experts, gate_proj, up_proj, down_proj, mesh=mesh,
+                                      local_impl=ROUTED_EXPERTS[spec.impl],
+                                      capacity_factor=spec.capacity_factor, dispatch=spec.dispatch)
+    if experts.shape[0] * experts.shape[1] <= gate_proj.shape[0]:
+        return routed_experts_gathered(tokens, weights, experts, gate_proj, up_proj, down_proj), None
+    if spec.impl == "pallas":  # per device on its own tokens, whole experts
+        rows, whole = ("batch", None), (None, None, None)
+        return run_local(routed_experts_pallas, (tokens, weights, experts, gate_proj, up_proj, down_proj),
+                         (rows, rows, rows, whole, whole, whole), rows), None
+    return ROUTED_EXPERTS[spec.impl](tokens, weights, experts, gate_proj, up_proj, down_proj), None
 
 
 class MoE(nn.Module):
@@ -200,18 +238,8 @@ class MoE(nn.Module):
         self.sow("intermediates", "balance_loss",
                  sequence_balance_loss(scores.reshape(batch, length, num_experts),
                                        experts.reshape(batch, length, -1), num_experts))
-        mesh = expert_mesh()
-        if mesh is None and spec.impl == "pallas":  # per device on its own tokens, whole experts
-            rows, whole = ("batch", None), (None, None, None)
-            y = run_local(routed_experts_pallas, (tokens, weights, experts, gate_proj, up_proj, down_proj),
-                          (rows, rows, rows, whole, whole, whole), rows)
-        elif mesh is None:
-            y = ROUTED_EXPERTS[spec.impl](tokens, weights, experts, gate_proj, up_proj, down_proj)
-        else:
-            y, dropped = routed_experts_sharded(
-                tokens, weights, experts, gate_proj, up_proj, down_proj, mesh=mesh,
-                local_impl=ROUTED_EXPERTS[spec.impl], capacity_factor=spec.capacity_factor,
-                dispatch=spec.dispatch)
+        y, dropped = routed_experts(tokens, weights, experts, gate_proj, up_proj, down_proj, spec)
+        if dropped is not None:
             self.sow("intermediates", "dropped_tokens", dropped)
         y = constrain(y.reshape(batch, length, hidden), ("batch", "length", "embed"))
         if spec.num_shared_experts:

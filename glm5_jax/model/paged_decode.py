@@ -1,9 +1,11 @@
 """One model step over a batch of sequences on a paged latent cache (the only cached path).
 
 The cache is a pool of fixed-size pages shared by all sequences, per layer stack
-(dense_layers, moe_layers): {"latent": [L, P, page, Rkv], "k_rope": [L, P, page, rope] and,
-when any layer is DSA, "index_keys": [L, P, page, H]}; P = num_pages. A sequence owns a list of
-pages, its block table: cache position p lives in page block_table[p // page], row p % page.
+(dense_layers, moe_layers): {"latent": [L * P, page, Rkv], "k_rope": [L * P, page, rope] and,
+when any layer is DSA, "index_keys": [L * P, page, H]}; P = num_pages, and page p of layer l is
+entry l * P + p (one flat array per name, so a step updates it in place: separate [L, P, ...]
+views made XLA copy the whole pool every step). A sequence owns a list of pages, its block table:
+cache position p lives in page block_table[p // page], row p % page, in every layer.
 
 A step (`StepBatch`) holds two groups of sequence rows, each with its own block-table row:
   decode rows [Gd]: one new token per sequence;
@@ -43,9 +45,9 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.dsa import index_head_weights, indexer_keys, indexer_queries
 from glm5_jax.model.layers import apply_rope, rms_norm, rope_angles, swiglu_mlp
 from glm5_jax.model.mla import kv_latent, query_path
-from glm5_jax.model.moe import ROUTED_EXPERTS, route
+from glm5_jax.model.moe import route, routed_experts
+from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.transformer import moe_spec
-from glm5_jax.parallel.expert import expert_mesh, routed_experts_sharded
 
 DEFAULT_BLOCK_POSITIONS = 128  # cache positions streamed per attention / indexer block
 
@@ -101,22 +103,15 @@ def _project(config: ModelConfig, w, x, positions) -> _Projected:
                       apply_rope(k_rope, cos, sin), cos, sin)
 
 
-def _feed_forward(config: ModelConfig, layer, x, ffn: str):
+def _feed_forward(config: ModelConfig, options: ExecutionOptions, layer, x, ffn: str):
     """x: [S, C, D] normalised -> [S, C, D]."""
     if ffn == "dense":
         mlp = layer["mlp"]
         return swiglu_mlp(x, mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
-    moe, spec = layer["moe"], moe_spec(config)
+    moe, spec = layer["moe"], moe_spec(config, options)
     tokens = x.reshape(-1, x.shape[-1])
     weights, experts, _ = route(tokens, moe["router"], moe["router_bias"], spec)
-    mesh = expert_mesh()  # expert-parallel serving: tokens travel to the experts, not weights
-    if mesh is None:
-        y = ROUTED_EXPERTS[spec.impl](tokens, weights, experts, moe["gate_proj"], moe["up_proj"],
-                                      moe["down_proj"])
-    else:
-        y, _ = routed_experts_sharded(tokens, weights, experts, moe["gate_proj"], moe["up_proj"],
-                                      moe["down_proj"], mesh=mesh, local_impl=ROUTED_EXPERTS[spec.impl],
-                                      capacity_factor=spec.capacity_factor, dispatch=spec.dispatch)
+    y, _ = routed_experts(tokens, weights, experts, moe["gate_proj"], moe["up_proj"], moe["down_proj"], spec)
     y = y.reshape(x.shape)
     if config.num_shared_experts:
         shared = moe["shared_experts"]
@@ -150,23 +145,24 @@ def _has_dsa(config: ModelConfig, stack: str) -> bool:
 
 
 def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None):
-    """Zeroed page pool: {stack: {"latent": [L, P, page, Rkv], "k_rope": [L, P, page, rope],
-    "index_keys": [L, P, page, H] (stacks with a DSA layer only)}}."""
+    """Zeroed page pool: {stack: {"latent": [L * P, page, Rkv], "k_rope": [L * P, page, rope],
+    "index_keys": [L * P, page, H] (stacks with a DSA layer only)}}. dtype: the cache's (pass
+    the step's options.compute_dtype; None = the default options' float32)."""
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
-    dtype = dtype or config.compute_dtype
+    dtype = dtype or ExecutionOptions().compute_dtype
     widths = {"latent": config.kv_lora_rank, "k_rope": config.qk_rope_head_dim,
               "index_keys": config.index_head_dim}
     cache = {}
     for stack, size in _stack_sizes(config).items():
         names = ("latent", "k_rope", "index_keys") if _has_dsa(config, stack) else ("latent", "k_rope")
-        cache[stack] = {name: jnp.zeros((size, num_pages, page_size, widths[name]), dtype) for name in names}
+        cache[stack] = {name: jnp.zeros((size * num_pages, page_size, widths[name]), dtype) for name in names}
     return cache
 
 
 def paged_cache_bytes_per_page(config: ModelConfig, page_size: int, dtype=None) -> int:
     """Bytes one page occupies across all layers."""
-    itemsize = jnp.dtype(dtype or config.compute_dtype).itemsize
+    itemsize = jnp.dtype(dtype or ExecutionOptions().compute_dtype).itemsize
     total = 0
     for stack, size in _stack_sizes(config).items():
         width = config.kv_lora_rank + config.qk_rope_head_dim
@@ -324,10 +320,6 @@ def _split(flat, group: _Group):
     return part.reshape((group.rows, group.q_len) + flat.shape[1:])
 
 
-def _attention_backend(config: ModelConfig, options) -> str:
-    return (options if options is not None else config).decode_attention_impl
-
-
 def _group_context(backend, q_absorbed, q_rope, layer_cache, tables, query_positions, key_positions,
                    block_pages: int, scale: float):
     """Latent context [B, T, N, R] of one group: causal over the row's pages when key_positions
@@ -352,19 +344,22 @@ def _group_context(backend, q_absorbed, q_rope, layer_cache, tables, query_posit
 
 
 @functools.partial(jax.jit, static_argnames=("config", "options", "block_pages"), donate_argnames=("cache",))
-def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows, *, options=None,
-               block_pages: int = 8):
+def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows, *,
+               options: ExecutionOptions | None = None, block_pages: int = 8):
     """Runs one step's tokens through the model on the paged cache.
 
     batch: a `StepBatch`; sample_rows: [S] int32, indices into the flat token batch (decode
-    tokens, then the chunk rows' tokens) whose logits are wanted. options: execution options
-    with `decode_attention_impl` (None = reference). Returns (logits [S, vocab] float32, cache).
+    tokens, then the chunk rows' tokens) whose logits are wanted. options: ExecutionOptions
+    (None = defaults: float32, reference attention); its compute_dtype, decode_attention_impl
+    and MoE fields apply. Returns (logits [S, vocab] float32, cache).
     """
-    dtype = config.compute_dtype
+    options = options or ExecutionOptions()
+    dtype = options.compute_dtype
     tokens = jnp.concatenate([batch.decode_tokens, batch.chunk_tokens.reshape(-1)])
     positions = jnp.concatenate([batch.decode_positions, batch.chunk_positions.reshape(-1)])
     tables = batch.block_tables
-    num_pages, page_size = next(iter(cache.values()))["latent"].shape[1:3]
+    num_pages = paged_cache_num_pages(config, cache)
+    page_size = next(iter(cache.values()))["latent"].shape[1]
     groups = _groups(batch)
     if tables.shape[1] % block_pages:
         raise ValueError(f"block_tables width {tables.shape[1]} must be a multiple of block_pages "
@@ -374,14 +369,12 @@ def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows
         if groups else jnp.zeros((0,), jnp.int32)
     valid = positions >= 0
     page_index = tables[table_row, jnp.maximum(positions, 0) // page_size]
-    page_index = jnp.where(valid, page_index, num_pages)  # padding: out of range, write dropped
     row = jnp.maximum(positions, 0) % page_size
     group_positions = [_split(positions, g) for g in groups]
-    group_tables = [tables[g.table_start:g.table_start + g.rows] for g in groups]
     topk = min(config.index_topk, tables.shape[1] * page_size)
     # Every query has at most index_topk causal keys: DSA would select them all.
     dense = jnp.max(positions) < config.index_topk
-    backend = _attention_backend(config, options)
+    backend = options.decode_attention_impl
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     nope_dim = config.qk_nope_head_dim
 
@@ -393,16 +386,25 @@ def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows
         ffn = "dense" if stack == "dense_layers" else "moe"
         has_dsa = kinds.mode != "ring"
 
-        def layer_step(carry, layer_inputs, ffn=ffn, kinds=kinds, has_dsa=has_dsa):
-            x, previous = carry
-            layer, layer_cache, run_flag, sliding_flag = layer_inputs
+        num_layers = _stack_sizes(config)[stack]
+        # The scan carries the flat pools (updated in place); scanning over [L, ...] slices of
+        # them would copy the pool every step.
+        pools = cache[stack]
+        dropped = num_layers * num_pages  # out of range: padding writes are dropped
+
+        def layer_step(carry, layer_inputs, ffn=ffn, kinds=kinds, has_dsa=has_dsa, dropped=dropped):
+            x, previous, layer_cache = carry
+            layer, layer_index, run_flag, sliding_flag = layer_inputs
+            offset = layer_index * num_pages
+            write_index = jnp.where(valid, page_index + offset, dropped)
+            group_tables = [tables[g.table_start:g.table_start + g.rows] + offset for g in groups]
             normed = rms_norm(x, layer["input_norm"]["scale"], config.rms_norm_eps)
             weights = layer["attention"]
             w = {name: value.astype(dtype) for name, value in weights.items() if name != "indexer"}
             p = _project(config, w, normed, positions[:, None])
             layer_cache = dict(layer_cache)
-            layer_cache["latent"] = _write_pages(layer_cache["latent"], p.latent[:, 0], page_index, row)
-            layer_cache["k_rope"] = _write_pages(layer_cache["k_rope"], p.k_rope[:, 0], page_index, row)
+            layer_cache["latent"] = _write_pages(layer_cache["latent"], p.latent[:, 0], write_index, row)
+            layer_cache["k_rope"] = _write_pages(layer_cache["k_rope"], p.k_rope[:, 0], write_index, row)
             q_absorbed = jnp.einsum("BTNH,RNH->BTNR", p.q_nope, w["kv_b_proj"][..., :nope_dim])[:, 0]
             q_rope = p.q_rope[:, 0]
 
@@ -411,7 +413,7 @@ def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows
                 indexer = weights["indexer"]
                 keys = indexer_keys(normed, p.cos, p.sin, indexer["wk"], indexer["k_norm_scale"],
                                     indexer["k_norm_bias"], config.qk_rope_head_dim, config.index_norm_eps)
-                layer_cache["index_keys"] = _write_pages(layer_cache["index_keys"], keys[:, 0], page_index,
+                layer_cache["index_keys"] = _write_pages(layer_cache["index_keys"], keys[:, 0], write_index,
                                                          row)
 
                 def run():
@@ -450,25 +452,38 @@ def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows
             out = jnp.einsum("BTNR,RNH->BTNH", context, w["kv_b_proj"][..., nope_dim:])
             x = x + jnp.einsum("BTNH,NHD->BTD", out, w["o_proj"])
             normed = rms_norm(x, layer["post_attention_norm"]["scale"], config.rms_norm_eps)
-            x = x + _feed_forward(config, layer, normed, ffn)
-            return (x, selected), layer_cache
+            x = x + _feed_forward(config, options, layer, normed, ffn)
+            return (x, selected, layer_cache), None
 
-        (x, selections), new_cache[stack] = jax.lax.scan(
-            layer_step, (x, selections), (params[stack], cache[stack], kinds.run, kinds.sliding))
+        (x, selections, pools), _ = jax.lax.scan(
+            layer_step, (x, selections, pools),
+            (params[stack], jnp.arange(num_layers), kinds.run, kinds.sliding))
+        new_cache[stack] = pools
     hidden = rms_norm(x[sample_rows, 0], params["final_norm"]["scale"], config.rms_norm_eps)  # [S, D]
     logits = jnp.einsum("BD,DV->BV", hidden, params["lm_head"].astype(dtype),
                         preferred_element_type=jnp.float32)
     return logits, new_cache
 
 
-@jax.jit
-def read_page(cache, page):
+def paged_cache_num_pages(config: ModelConfig, cache) -> int:
+    """P, the pages per layer of a pool made by `init_paged_cache`."""
+    stack = next(iter(cache))
+    return cache[stack]["latent"].shape[0] // _stack_sizes(config)[stack]
+
+
+def _layer_rows(pages, page, num_pages: int):
+    """Indices of page `page` in every layer of a flat [L * P, ...] pool: [L]."""
+    return jnp.arange(pages.shape[0] // num_pages) * num_pages + page
+
+
+@functools.partial(jax.jit, static_argnames=("num_pages",))
+def read_page(cache, page, *, num_pages: int):
     """One page of every layer: {stack: {name: [L, page, F]}} (for offload to host memory)."""
-    return jax.tree.map(lambda pages: jax.lax.dynamic_index_in_dim(pages, page, 1, keepdims=False), cache)
+    return jax.tree.map(lambda pages: pages[_layer_rows(pages, page, num_pages)], cache)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def write_page(cache, page, values):
+@functools.partial(jax.jit, static_argnames=("num_pages",), donate_argnames=("cache",))
+def write_page(cache, page, values, *, num_pages: int):
     """Stores `values` ({stack: {name: [L, page, F]}}, as from `read_page`) into page `page`."""
-    return jax.tree.map(lambda pages, one: jax.lax.dynamic_update_index_in_dim(
-        pages, one.astype(pages.dtype), page, 1), cache, values)
+    return jax.tree.map(lambda pages, one: pages.at[_layer_rows(pages, page, num_pages)].set(
+        one.astype(pages.dtype)), cache, values)

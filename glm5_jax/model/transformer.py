@@ -14,22 +14,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.config import ModelConfig, as_model_config
 from glm5_jax.model.dsa import IndexerSpec
 from glm5_jax.model.layers import MLP, RMSNorm, declare_weight, normal_init
 from glm5_jax.model.mla import AttentionSpec, LayerKinds, MLAttention
 from glm5_jax.model.moe import MoE, MoESpec
+from glm5_jax.model.options import ExecutionOptions, as_options
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.pipeline import default_microbatches, pipeline_stages, run_pipeline
 
 
-def attention_spec(config: ModelConfig) -> AttentionSpec:
+def attention_spec(config: ModelConfig, options: ExecutionOptions) -> AttentionSpec:
     indexer = IndexerSpec(
         hidden_size=config.hidden_size, q_lora_rank=config.q_lora_rank,
         index_num_heads=config.index_num_heads, index_head_dim=config.index_head_dim,
         index_topk=config.index_topk, qk_rope_head_dim=config.qk_rope_head_dim,
         index_norm_eps=config.index_norm_eps, initializer_range=config.initializer_range,
-        impl=config.indexer_impl)
+        impl=options.indexer_impl)
     return AttentionSpec(
         hidden_size=config.hidden_size, num_heads=config.num_heads,
         q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
@@ -37,10 +38,10 @@ def attention_spec(config: ModelConfig) -> AttentionSpec:
         v_head_dim=config.v_head_dim, latent_norm_eps=config.latent_norm_eps,
         sliding_window=config.sliding_window, rope_theta=config.rope_theta,
         initializer_range=config.initializer_range, indexer=indexer,
-        attention_impl=config.attention_impl)
+        attention_impl=options.attention_impl)
 
 
-def moe_spec(config: ModelConfig) -> MoESpec:
+def moe_spec(config: ModelConfig, options: ExecutionOptions) -> MoESpec:
     return MoESpec(
         hidden_size=config.hidden_size, moe_intermediate_size=config.moe_intermediate_size,
         num_experts=config.num_experts, num_experts_per_token=config.num_experts_per_token,
@@ -48,14 +49,15 @@ def moe_spec(config: ModelConfig) -> MoESpec:
         num_selected_groups=config.num_selected_groups,
         normalize_topk_weights=config.normalize_topk_weights,
         routed_scaling_factor=config.routed_scaling_factor,
-        initializer_range=config.initializer_range, impl=config.moe_impl,
-        dispatch=config.expert_dispatch, capacity_factor=config.expert_capacity_factor)
+        initializer_range=config.initializer_range, impl=options.moe_impl,
+        dispatch=options.expert_dispatch, capacity_factor=options.expert_capacity_factor)
 
 
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer; `ffn` is "dense" or "moe"."""
 
     config: ModelConfig
+    options: ExecutionOptions
     ffn: str
     # Python bools when the whole stack agrees (no runtime branch); None: read the scanned flag.
     uniform_run_indexer: bool | None = True
@@ -64,16 +66,16 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, positions, segment_ids, run_indexer_flag, sliding_flag):
         """carry = (x [B, T, D], topk indices [B, T, k]); flags: bool scalars of this layer."""
-        config = self.config
+        config, options = self.config, self.options
         x, previous_indices = carry
-        param_dtype = config.weight_dtype
+        param_dtype = options.weight_dtype
         kinds = LayerKinds(
             run_indexer=run_indexer_flag if self.uniform_run_indexer is None
             else self.uniform_run_indexer,
             sliding=sliding_flag if self.uniform_sliding is None else self.uniform_sliding)
 
         normed = RMSNorm(config.rms_norm_eps, param_dtype, name="input_norm")(x)
-        attended, indices, gap = MLAttention(attention_spec(config), param_dtype, name="attention")(
+        attended, indices, gap = MLAttention(attention_spec(config, options), param_dtype, name="attention")(
             normed, positions, segment_ids, previous_indices, kinds)
         self.sow("intermediates", "selection_gap", jnp.min(gap))
         x = x + attended
@@ -83,7 +85,7 @@ class DecoderLayer(nn.Module):
             x = x + MLP(config.hidden_size, config.dense_intermediate_size,
                         config.initializer_range, param_dtype, name="mlp")(normed)
         else:
-            x = x + MoE(moe_spec(config), param_dtype, name="moe")(normed)
+            x = x + MoE(moe_spec(config, options), param_dtype, name="moe")(normed)
         x = constrain(x, ("batch", "length", "embed"))
         return (x, indices), None
 
@@ -142,15 +144,16 @@ class PipelinedStack(nn.Module):
     stack's [L, ...] params (same names as the nn.scan version) and sows the same diagnostics."""
 
     config: ModelConfig = None
+    options: ExecutionOptions = None
     ffn: str = "moe"
     uniform_run_indexer: bool | None = True
     uniform_sliding: bool | None = False
 
     @nn.compact
     def __call__(self, carry, positions, segment_ids, run_flags, sliding_flags):
-        config = self.config
-        layer = _maybe_remat(DecoderLayer, config.remat)(
-            config, self.ffn, self.uniform_run_indexer, self.uniform_sliding)
+        config, options = self.config, self.options
+        layer = _maybe_remat(DecoderLayer, options.remat)(
+            config, options, self.ffn, self.uniform_run_indexer, self.uniform_sliding)
 
         def layer_fn(layer_params, carry, positions, segment_ids, flags):
             (carry, _), state = layer.apply({"params": layer_params}, carry, positions, segment_ids, *flags,
@@ -158,7 +161,7 @@ class PipelinedStack(nn.Module):
             return carry, _flatten_sown(state["intermediates"])
 
         microbatches = default_microbatches(pipeline_stages(), carry[0].shape[0],
-                                            config.pipeline_microbatches)
+                                            options.pipeline_microbatches)
         carry, sown = run_pipeline(layer_fn, self.variables["params"], carry, positions, segment_ids,
                                    (run_flags, sliding_flags), microbatches=microbatches)
         _sow_flat(self, sown)
@@ -169,12 +172,13 @@ class MTPHead(nn.Module):
     """Multi-token prediction: predicts token t+2 from (hidden_t, embedding of token t+1)."""
 
     config: ModelConfig
+    options: ExecutionOptions
 
     @nn.compact
     def __call__(self, hidden, next_embeddings, positions, segment_ids, lm_head):
         """hidden, next_embeddings: [B, T, D]; lm_head: [D, V]. Returns logits [B, T, V] f32."""
         config = self.config
-        param_dtype = config.weight_dtype
+        param_dtype = self.options.weight_dtype
         embedded = RMSNorm(config.rms_norm_eps, param_dtype, name="enorm")(next_embeddings)
         previous = RMSNorm(config.rms_norm_eps, param_dtype, name="hnorm")(hidden)
         eh_proj = declare_weight(self, "eh_proj", (2 * config.hidden_size, config.hidden_size),
@@ -184,7 +188,7 @@ class MTPHead(nn.Module):
         batch, length = x.shape[:2]
         no_indices = jnp.zeros((batch, length, min(config.index_topk, length)), jnp.int32)
         # The MTP layer sits after the dense prefix, so it is an MoE layer.
-        (x, _), _ = DecoderLayer(config, "moe", name="layer")(
+        (x, _), _ = DecoderLayer(config, self.options, "moe", name="layer")(
             (x, no_indices), positions, segment_ids, True, False)
         x = RMSNorm(config.rms_norm_eps, param_dtype, name="final_norm")(x)
         return jnp.einsum("BTD,DV->BTV", x, lm_head.astype(x.dtype),
@@ -193,6 +197,7 @@ class MTPHead(nn.Module):
 
 class Transformer(nn.Module):
     config: ModelConfig
+    options: ExecutionOptions = ExecutionOptions()
 
     @nn.compact
     def __call__(self, input_ids, positions, segment_ids, with_mtp: bool = False):
@@ -201,8 +206,8 @@ class Transformer(nn.Module):
         Returns {"logits": [B, T, V] f32, "hidden": [B, T, D] final-normed hidden states,
         and with_mtp: "mtp_logits": [B, T-1, V] (position t predicts token t+2)}.
         """
-        config = self.config
-        dtype, param_dtype = config.compute_dtype, config.weight_dtype
+        config, options = self.config, self.options
+        dtype, param_dtype = options.compute_dtype, options.weight_dtype
         init = normal_init(config.initializer_range)
         embed = declare_weight(self, "embed", (config.vocab_size, config.hidden_size),
                                ("vocab", "embed"), param_dtype, init)
@@ -220,19 +225,20 @@ class Transformer(nn.Module):
                 continue
             run, sliding, uniform_run, uniform_sliding = _stack_flags(config, layers)
             if ffn == "moe" and pipeline_stages() > 1 and not self.is_initializing():
-                x, indices = PipelinedStack(config=config, ffn=ffn, uniform_run_indexer=uniform_run,
+                x, indices = PipelinedStack(config=config, options=options, ffn=ffn,
+                                            uniform_run_indexer=uniform_run,
                                             uniform_sliding=uniform_sliding, name=name)(
                     (x, indices), positions, segment_ids, run, sliding)
                 continue
             stack = nn.scan(
-                _maybe_remat(DecoderLayer, config.remat),
+                _maybe_remat(DecoderLayer, options.remat),
                 variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, 0, 0),
                 length=len(layers),
                 # Only the MoE stack is pipelined: its layer axis is "layers" (-> pipeline).
                 metadata_params={nn.PARTITION_NAME: "layers" if ffn == "moe" else "prefix_layers"},
-            )(config, ffn, uniform_run, uniform_sliding, name=name)
+            )(config, options, ffn, uniform_run, uniform_sliding, name=name)
             (x, indices), _ = stack((x, indices), positions, segment_ids, run, sliding)
 
         hidden = RMSNorm(config.rms_norm_eps, param_dtype, name="final_norm")(x)
@@ -243,7 +249,7 @@ class Transformer(nn.Module):
         outputs = {"logits": logits, "hidden": hidden}
         if with_mtp and config.num_mtp_layers:
             next_embeddings = constrain(table[input_ids[:, 1:]], ("batch", "length", "embed"))
-            outputs["mtp_logits"] = MTPHead(config, name="mtp")(
+            outputs["mtp_logits"] = MTPHead(config, options, name="mtp")(
                 hidden[:, :-1], next_embeddings, positions[:, :-1], segment_ids[:, :-1], lm_head)
         return outputs
 
@@ -268,18 +274,30 @@ def default_positions(input_ids: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "with_mtp", "collect_intermediates"))
 def apply_model(config: ModelConfig, params, input_ids, positions=None, segment_ids=None,
-                with_mtp: bool = False, collect_intermediates: bool = False):
-    """Runs the model (jitted; config is static). Returns the outputs dict of `Transformer`
-    (plus "intermediates" when collect_intermediates: per-layer expert loads and DSA selection
-    gaps)."""
+                with_mtp: bool = False, collect_intermediates: bool = False, *,
+                options: ExecutionOptions | None = None):
+    """Runs the model (jitted; config and options are static). Returns the outputs dict of
+    `Transformer` (plus "intermediates" when collect_intermediates: per-layer expert loads and DSA
+    selection gaps).
+
+    config: a ModelConfig, or a whole config (configs/*.py get_config(): its `model` section, and
+    its `execution` section when options is None). options: ExecutionOptions (None: defaults).
+    """
+    model_config = as_model_config(config)
+    return _apply_model(model_config, params, input_ids, positions, segment_ids,
+                        with_mtp, collect_intermediates, as_options(options, config))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "with_mtp", "collect_intermediates", "options"))
+def _apply_model(config: ModelConfig, params, input_ids, positions, segment_ids, with_mtp: bool,
+                 collect_intermediates: bool, options: ExecutionOptions):
     input_ids = jnp.asarray(input_ids)
     if positions is None:
         positions = default_positions(input_ids)
     if segment_ids is None:
         segment_ids = jnp.zeros_like(input_ids)
-    model = Transformer(config)
+    model = Transformer(config, options)
     if collect_intermediates:
         outputs, state = model.apply({"params": params}, input_ids, positions, segment_ids,
                                      with_mtp, mutable=["intermediates"])
@@ -287,36 +305,43 @@ def apply_model(config: ModelConfig, params, input_ids, positions=None, segment_
     return model.apply({"params": params}, input_ids, positions, segment_ids, with_mtp)
 
 
-def forward(config: ModelConfig, params, input_ids, positions=None, segment_ids=None):
+def forward(config: ModelConfig, params, input_ids, positions=None, segment_ids=None, *,
+            options: ExecutionOptions | None = None):
     """Logits of the main head. input_ids: [B, T] int -> float32 [B, T, vocab_size].
 
-    Works under `jax.jit` (config is hashable: mark it static). Optional positions and
-    segment_ids ([B, T]) support packed documents: attention never crosses a segment.
+    Works under `jax.jit` (config and options are hashable: mark them static). Optional positions
+    and segment_ids ([B, T]) support packed documents: attention never crosses a segment.
+    config / options: as for `apply_model`.
     """
-    return apply_model(config, params, input_ids, positions, segment_ids)["logits"]
+    return apply_model(config, params, input_ids, positions, segment_ids, options=options)["logits"]
 
 
-def _init_boxed(config: ModelConfig, rng):
+def _init_boxed(config: ModelConfig, options: ExecutionOptions, rng):
     ids = jnp.zeros((1, 2), jnp.int32)
-    return Transformer(config).init(rng, ids, default_positions(ids), jnp.zeros_like(ids),
-                                    with_mtp=bool(config.num_mtp_layers))["params"]
+    return Transformer(config, options).init(rng, ids, default_positions(ids), jnp.zeros_like(ids),
+                                             with_mtp=bool(config.num_mtp_layers))["params"]
 
 
-def init_params(config: ModelConfig, rng: jax.Array | int = 0):
-    """Random parameters (normal(initializer_range) weights, unit norms, zero biases).
+def init_params(config: ModelConfig, rng: jax.Array | int = 0, *, options: ExecutionOptions | None = None):
+    """Random parameters (normal(initializer_range) weights, unit norms, zero biases), stored in
+    options.param_dtype. config / options: as for `apply_model`.
 
     Returns a plain nested dict of arrays; see docs/checkpoint_names.md for the names.
     """
+    config, options = as_model_config(config), as_options(options, config)
     if isinstance(rng, int):
         rng = jax.random.key(rng)
-    return nn.meta.unbox(jax.jit(_init_boxed, static_argnums=0)(config, rng))
+    return nn.meta.unbox(jax.jit(_init_boxed, static_argnums=(0, 1))(config, options, rng))
 
 
-def param_shapes(config: ModelConfig):
+def param_shapes(config: ModelConfig, *, options: ExecutionOptions | None = None):
     """Parameter shapes and dtypes as a pytree of ShapeDtypeStruct (nothing allocated)."""
-    return nn.meta.unbox(jax.eval_shape(functools.partial(_init_boxed, config), jax.random.key(0)))
+    config, options = as_model_config(config), as_options(options, config)
+    return nn.meta.unbox(jax.eval_shape(functools.partial(_init_boxed, config, options), jax.random.key(0)))
 
 
 def param_logical_axes(config: ModelConfig):
     """The logical axis names of every parameter (a pytree of PartitionSpec)."""
-    return nn.get_partition_spec(jax.eval_shape(functools.partial(_init_boxed, config), jax.random.key(0)))
+    config = as_model_config(config)
+    return nn.get_partition_spec(jax.eval_shape(
+        functools.partial(_init_boxed, config, ExecutionOptions()), jax.random.key(0)))

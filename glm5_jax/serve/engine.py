@@ -297,6 +297,9 @@ class Engine:
             logger.exception("a model step failed; failing its %d requests", len(sequences))
             message = f"{type(exc).__name__}: {exc}"
             self._consecutive_failures += 1
+            if self._consecutive_failures >= self.max_consecutive_failures:
+                # Set before the failed requests hear of it: a client that sees its error sees the state.
+                self.failure = f"{self._consecutive_failures} model steps failed in a row; last: {message}"
             with self._lock:
                 for sequence in sequences:
                     if sequence.slot is not None:
@@ -307,8 +310,7 @@ class Engine:
                         self._finish(sequence, GenerationEvent(None, finish_reason="error", error=message))
                     self.runner.reset()
                     self.scheduler.pages = self._new_allocator(self.scheduler.pages.num_pages)
-            if self._consecutive_failures >= self.max_consecutive_failures:
-                self.failure = f"{self._consecutive_failures} model steps failed in a row; last: {message}"
+            if self.failure is not None:
                 logger.error("engine stopping: %s", self.failure)
                 return False
             return True
@@ -365,6 +367,10 @@ class Engine:
         ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
         return ids[:MAX_STOP_IDS]
 
+    @staticmethod
+    def _top_wanted(sequences) -> bool:
+        return any(s.payload.stream.params.logprobs for s in sequences)
+
     def _decode(self, plan: DecodePlan) -> None:
         rows = next(b for b in decode_buckets(self.max_slots) if b >= len(plan.sequences))
         tokens, positions = np.zeros(rows, np.int32), np.full(rows, -1, np.int32)
@@ -377,7 +383,8 @@ class Engine:
             remaining[row] = sequence.max_new - sequence.generated
             ids = self._stop_ids(sequence)
             stop_ids[row, :len(ids)] = ids
-        sampled = self.runner.decode(tokens, positions, tables, slots, remaining, stop_ids, plan.steps)
+        sampled = self.runner.decode(tokens, positions, tables, slots, remaining, stop_ids, plan.steps,
+                                     self._top_wanted(plan.sequences))
         with self._lock:
             for step in range(plan.steps):
                 for row, sequence in enumerate(plan.sequences):
@@ -414,7 +421,7 @@ class Engine:
             batch.block_tables[decode_rows + row] = self.runner.table(sequence.pages)
             if start + count == len(sequence.tokens):
                 sample_from(sequence, decode_rows + row * chunk_len + count - 1)
-        sampled = self.runner.mixed_step(batch, sample_rows, slots, mask)
+        sampled = self.runner.mixed_step(batch, sample_rows, slots, mask, self._top_wanted(sampled_index))
         with self._lock:
             for sequence in plan.decodes:
                 if sequence.slot is not None:

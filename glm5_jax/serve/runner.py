@@ -56,27 +56,29 @@ def _put_rows(state: SamplingState, rows: SamplingState, slots, keep):
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _sample_slots(logits, state: SamplingState, slots, mask):
+def _sample_slots(logits, state: SamplingState, slots, mask, top_wanted):
     """Samples rows of logits [R, V] with the sampler state of `slots` [R]; only rows where
-    mask [R] advance their slot's state (keys, counts)."""
-    tokens, logprobs, top_ids, top_logprobs, rows = sample(logits, _rows_of(state, slots), MAX_TOP_LOGPROBS)
+    mask [R] advance their slot's state (keys, counts). top_wanted: bool scalar, whether any row
+    reports top alternatives."""
+    tokens, logprobs, top_ids, top_logprobs, rows = sample(logits, _rows_of(state, slots), MAX_TOP_LOGPROBS,
+                                                           top_wanted)
     return tokens, logprobs, top_ids, top_logprobs, _put_rows(state, rows, slots, mask)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "options", "block_pages"),
                    donate_argnames=("cache", "state"))
-def _mixed_step(config, params, cache, state, batch: StepBatch, sample_rows, slots, mask, *, options,
-                block_pages):
+def _mixed_step(config, params, cache, state, batch: StepBatch, sample_rows, slots, mask, top_wanted, *,
+                options, block_pages):
     logits, cache = paged_step(config, params, cache, batch, sample_rows, options=options,
                                block_pages=block_pages)
-    tokens, logprobs, top_ids, top_logprobs, state = _sample_slots(logits, state, slots, mask)
+    tokens, logprobs, top_ids, top_logprobs, state = _sample_slots(logits, state, slots, mask, top_wanted)
     return (tokens, logprobs, top_ids, top_logprobs), cache, state
 
 
 @functools.partial(jax.jit, static_argnames=("config", "options", "block_pages", "steps"),
                    donate_argnames=("cache", "state"))
 def decode_loop(config: ModelConfig, params, cache, state: SamplingState, tokens, positions, tables, slots,
-                remaining, stop_ids, *, options, block_pages: int, steps: int):
+                remaining, stop_ids, top_wanted, *, options, block_pages: int, steps: int):
     """Up to `steps` decode steps on the device.
 
     tokens, positions, slots, remaining: [R] int32 (position -1 = padding row; remaining = tokens
@@ -96,7 +98,7 @@ def decode_loop(config: ModelConfig, params, cache, state: SamplingState, tokens
         batch = StepBatch(tokens, jnp.where(active, positions, -1), empty_chunk, empty_chunk, tables)
         logits, cache = paged_step(config, params, cache, batch, jnp.arange(rows), options=options,
                                    block_pages=block_pages)
-        new, logprobs, top_ids, top_logprobs, state = _sample_slots(logits, state, slots, active)
+        new, logprobs, top_ids, top_logprobs, state = _sample_slots(logits, state, slots, active, top_wanted)
         new = jnp.where(active, new, -1)
         outputs = tuple(out.at[step].set(value) for out, value in
                         zip(outputs, (new, logprobs, top_ids, top_logprobs), strict=True))
@@ -126,7 +128,8 @@ class ModelRunner:
         self.block_pages = max(1, min(block_positions // page_size, max_pages))
         # Table width: whole streamed blocks, so the last block never reads past the table.
         self.table_width = -(-max_pages // self.block_pages) * self.block_pages
-        self.cache = init_paged_cache(config, num_pages, page_size)
+        self.num_pages = num_pages
+        self.cache = init_paged_cache(config, num_pages, page_size, options and options.compute_dtype)
         self.sampling = init_sampling_state(max_slots, config.vocab_size)
 
     # ------------------------------------------------------------------ sampler slots
@@ -142,10 +145,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ pages
     def read_page(self, page: int):
-        return jax.tree.map(np.asarray, read_page(self.cache, jnp.int32(page)))
+        return jax.tree.map(np.asarray, read_page(self.cache, jnp.int32(page), num_pages=self.num_pages))
 
     def write_page(self, page: int, data) -> None:
-        self.cache = write_page(self.cache, jnp.int32(page), data)
+        self.cache = write_page(self.cache, jnp.int32(page), data, num_pages=self.num_pages)
 
     def table(self, pages: list[int]) -> np.ndarray:
         row = np.zeros(self.table_width, np.int32)
@@ -154,19 +157,21 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ steps
     def mixed_step(self, batch: StepBatch, sample_rows: np.ndarray, slots: np.ndarray,
-                   mask: np.ndarray) -> Sampled:
+                   mask: np.ndarray, top_wanted: bool = True) -> Sampled:
         """One step; samples rows sample_rows [R] of the flat batch for `slots` [R] where mask."""
         outputs, self.cache, self.sampling = _mixed_step(
             self.config, self.params, self.cache, self.sampling, jax.tree.map(jnp.asarray, batch),
-            jnp.asarray(sample_rows), jnp.asarray(slots), jnp.asarray(mask), options=self.options,
+            jnp.asarray(sample_rows), jnp.asarray(slots), jnp.asarray(mask), jnp.asarray(top_wanted),
+            options=self.options,
             block_pages=self.block_pages)
         return Sampled(*(np.asarray(a) for a in outputs))
 
-    def decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int) -> Sampled:
+    def decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int,
+               top_wanted: bool = True) -> Sampled:
         """`decode_loop` on host arrays; returns [steps, R] host arrays."""
         outputs, self.cache, self.sampling = decode_loop(
             self.config, self.params, self.cache, self.sampling, *(jnp.asarray(a) for a in (
-                tokens, positions, tables, slots, remaining, stop_ids)),
+                tokens, positions, tables, slots, remaining, stop_ids, top_wanted)),
             options=self.options, block_pages=self.block_pages, steps=steps)
         return Sampled(*(np.asarray(a) for a in outputs))
 
@@ -177,8 +182,8 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Fresh page pool and sampler state (after a failure destroyed them)."""
-        num_pages = next(iter(self.cache.values()))["latent"].shape[1]
-        self.cache = init_paged_cache(self.config, num_pages, self.page_size)
+        self.cache = init_paged_cache(self.config, self.num_pages, self.page_size,
+                                      self.options and self.options.compute_dtype)
         self.sampling = init_sampling_state(self.max_slots, self.config.vocab_size)
 
 

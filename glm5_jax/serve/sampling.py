@@ -225,7 +225,7 @@ def _draw(key_data: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]
 
 
 @functools.partial(jax.jit, static_argnames="num_top_logprobs")
-def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int
+def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int, top_wanted: jax.Array | None = None
            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, SamplingState]:
     """Samples one token per slot; jitted, `num_top_logprobs` static.
 
@@ -233,6 +233,7 @@ def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int
       logits: [S, V] model logits (cast to f32).
       state: the `SamplingState` of S slots.
       num_top_logprobs: n, how many top alternatives to report (0..V).
+      top_wanted: optional bool scalar; when False the top alternatives are skipped (zeros).
 
     Returns (tokens, token_logprobs, top_ids, top_logprobs, new_state):
       tokens [S] int32; token_logprobs [S] f32, log_softmax of the RAW logits at `tokens`;
@@ -261,14 +262,24 @@ def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int
     # on which branch its neighbours' settings select.
     filtering = jnp.any((state.top_k > 0) | (state.top_p < 1.0) | (state.min_p > 0.0))
     candidates = jax.lax.cond(filtering, lambda: filter_logits(scaled, state), lambda: scaled)
-    new_keys, sampled_tokens = jax.vmap(_draw)(state.keys, candidates)
+    # All-greedy batches skip the draws (and keep their keys: no row here samples).
+    new_keys, sampled_tokens = jax.lax.cond(
+        jnp.any(state.temperature > 0), lambda: jax.vmap(_draw)(state.keys, candidates),
+        lambda: (state.keys, greedy_tokens))
     tokens = jnp.where(state.temperature > 0, sampled_tokens, greedy_tokens)
 
     raw_logprobs = jax.nn.log_softmax(raw, axis=-1)
     token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     if num_top_logprobs:
-        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
-        top_ids = top_ids.astype(jnp.int32)
+        def top():
+            values, ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
+            return values, ids.astype(jnp.int32)
+
+        def skipped():
+            return (jnp.zeros((num_slots, num_top_logprobs), jnp.float32),
+                    jnp.zeros((num_slots, num_top_logprobs), jnp.int32))
+
+        top_logprobs, top_ids = top() if top_wanted is None else jax.lax.cond(top_wanted, top, skipped)
     else:
         top_logprobs = jnp.zeros((num_slots, 0), jnp.float32)
         top_ids = jnp.zeros((num_slots, 0), jnp.int32)

@@ -68,11 +68,12 @@ def chunk_geometries(token_budget: int) -> list[tuple[int, int]]:
 
 
 def decode_buckets(max_slots: int) -> list[int]:
-    """Decode row counts compiled for: powers of two below max_slots, and max_slots."""
+    """Decode row counts compiled for: powers of four below max_slots, and max_slots (padding
+    rows cost matmul rows; each bucket costs a compilation)."""
     buckets, size = [], 1
     while size < max_slots:
         buckets.append(size)
-        size *= 2
+        size *= 4
     return buckets + [max_slots]
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.transformer import apply_model, param_shapes, sown_values
 from glm5_jax.parallel import sharding
 from glm5_jax.train.loss import expert_loads, language_model_losses, shifted_targets, token_cross_entropy
@@ -64,22 +65,23 @@ def _split_microbatches(batch: Batch, count: int) -> Batch:
 
 
 def train_state_shardings(config: ModelConfig, optimizer: optax.GradientTransformation, mesh,
-                          rules=sharding.DEFAULT_RULES) -> TrainState:
+                          rules=sharding.DEFAULT_RULES, *,
+                          options: ExecutionOptions | None = None) -> TrainState:
     """Where every part of the train state lives on `mesh`: params by their logical axes,
     optimizer moments like their params, the step counter replicated."""
     params = sharding.param_shardings(config, mesh, rules)
-    abstract = param_shapes(config)
+    abstract = param_shapes(config, options=options)
     return TrainState(step=sharding.replicated(mesh), params=params,
                       opt_state=sharding.optimizer_state_shardings(optimizer, abstract, params, mesh))
 
 
-def make_loss_fn(config: ModelConfig, settings: TrainSettings):
+def make_loss_fn(config: ModelConfig, settings: TrainSettings, options: ExecutionOptions | None = None):
     """loss_fn(params, batch) -> (loss, (metrics, expert loads)) for one (micro)batch."""
 
     def loss_fn(params, micro: Batch):
         outputs = apply_model(config, params, micro["input_ids"], micro["positions"],
                               micro["segment_ids"], with_mtp=bool(config.num_mtp_layers),
-                              collect_intermediates=True)
+                              collect_intermediates=True, options=options)
         loss, metrics = language_model_losses(
             outputs, micro["input_ids"], micro["segment_ids"],
             z_loss_weight=settings.z_loss_weight, mtp_loss_weight=settings.mtp_loss_weight,
@@ -93,15 +95,17 @@ def make_loss_fn(config: ModelConfig, settings: TrainSettings):
 
 
 def make_train_step(config: ModelConfig, settings: TrainSettings,
-                    optimizer: optax.GradientTransformation, mesh=None, rules=sharding.DEFAULT_RULES):
+                    optimizer: optax.GradientTransformation, mesh=None, rules=sharding.DEFAULT_RULES, *,
+                    options: ExecutionOptions | None = None):
     """Returns train_step(state, batch) -> (state, metrics), jitted (state donated).
 
     With a mesh: explicit in/out shardings (train_state_shardings, batch rows over the batch
     axes), traced with the mesh and rules in context so activation constraints and the
     expert-parallel MoE apply. The state must already be placed (`place_train_state`).
+    options: ExecutionOptions (dtypes, remat, kernels, MoE dispatch; None = defaults).
     """
 
-    loss_fn = make_loss_fn(config, settings)
+    loss_fn = make_loss_fn(config, settings, options)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def train_step(state: TrainState, batch: Batch):
@@ -135,7 +139,7 @@ def make_train_step(config: ModelConfig, settings: TrainSettings,
 
     if mesh is None:
         return jax.jit(train_step, donate_argnums=0)
-    state_sharding = train_state_shardings(config, optimizer, mesh, rules)
+    state_sharding = train_state_shardings(config, optimizer, mesh, rules, options=options)
     jitted = jax.jit(train_step, donate_argnums=0,
                      in_shardings=(state_sharding, sharding.batch_sharding(mesh, rules)),
                      out_shardings=(state_sharding, sharding.replicated(mesh)))
@@ -149,12 +153,13 @@ def make_train_step(config: ModelConfig, settings: TrainSettings,
 
 
 def place_train_state(state: TrainState, config: ModelConfig, optimizer: optax.GradientTransformation,
-                      mesh, rules=sharding.DEFAULT_RULES) -> TrainState:
+                      mesh, rules=sharding.DEFAULT_RULES, *,
+                      options: ExecutionOptions | None = None) -> TrainState:
     """Moves a (host or single-device) train state onto `mesh` with its shardings."""
-    return jax.device_put(state, train_state_shardings(config, optimizer, mesh, rules))
+    return jax.device_put(state, train_state_shardings(config, optimizer, mesh, rules, options=options))
 
 
-def make_eval_step(config: ModelConfig, token_bytes: jax.Array):
+def make_eval_step(config: ModelConfig, token_bytes: jax.Array, options: ExecutionOptions | None = None):
     """Returns eval_step(params, batch) -> {"nats", "tokens", "bytes"} sums (jitted).
 
     token_bytes: [vocab] UTF-8 bytes per token id, for bits per byte.
@@ -163,7 +168,7 @@ def make_eval_step(config: ModelConfig, token_bytes: jax.Array):
     @jax.jit
     def eval_step(params, batch: Batch):
         logits = apply_model(config, params, batch["input_ids"], batch["positions"],
-                             batch["segment_ids"])["logits"]
+                             batch["segment_ids"], options=options)["logits"]
         targets, weights = shifted_targets(batch["input_ids"], batch["segment_ids"], 1)
         nats, _ = token_cross_entropy(logits[:, :-1], targets)
         return {"nats": jnp.sum(nats * weights), "tokens": jnp.sum(weights),

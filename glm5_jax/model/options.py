@@ -1,0 +1,148 @@
+"""Execution options: how a model runs (dtypes, kernels, remat, MoE dispatch), not what it is.
+
+`ModelConfig` holds the architecture (what maps to HF config.json); `ExecutionOptions` holds the
+choices that change speed, memory and rounding but not the function computed. Config files keep
+them apart: a `model` section and an `execution` section. Every entry point takes
+`options=None`, which means the defaults below (float32, reference kernels: runs everywhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from glm5_jax.model.config import ConfigError, ModelConfig, check_field
+
+REMAT_POLICIES = ("none", "full", "save_matmuls")
+MOE_IMPLS = ("ragged", "blocked", "dense", "pallas")
+KERNEL_IMPLS = ("reference", "pallas")
+EXPERT_DISPATCHES = ("all_to_all", "ragged_all_to_all")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionOptions:
+    """How to run a model; frozen and hashable (a static argument of jitted functions)."""
+
+    dtype: str = "float32"  # compute dtype of activations
+    param_dtype: str = "float32"  # storage dtype of weights (router and its bias stay float32)
+    # Gradient checkpointing of each decoder layer: "none", "full" (recompute everything in the
+    # backward pass) or "save_matmuls" (keep matmul outputs, recompute the rest).
+    remat: str = "none"
+    # Routed-expert computation, all dropless and equal: "ragged" (tokens sorted by expert,
+    # lax.ragged_dot: GPU/TPU), "blocked" (sorted rows padded into per-expert blocks, batched
+    # matmuls: fast on CPUs), "dense" (every expert on every token, weighted) or "pallas" (the
+    # grouped-matmul kernel).
+    moe_impl: str = "ragged"
+    # Hand-written kernels per op (kernels_pallas/): "reference" (plain jnp, runs everywhere, the
+    # CPU default) or "pallas" (Triton on NVIDIA GPUs, Mosaic on TPUs). attention_impl:
+    # prefill/training attention (flash attention, and gathered top-k attention on DSA layers);
+    # indexer_impl: DSA indexer scores fused with top-k; decode_attention_impl: MLA attention
+    # over the paged latent cache.
+    attention_impl: str = "reference"
+    indexer_impl: str = "reference"
+    decode_attention_impl: str = "reference"
+    # Expert parallelism (used when the mesh has an expert axis > 1): tokens travel to the devices
+    # owning their experts with "all_to_all" (fixed-size buffers, every backend) or
+    # "ragged_all_to_all" (GPU/TPU only). Per-device buffer capacity = factor * average load;
+    # 0 means dropless (capacity = the worst case), equal to the unsharded MoE.
+    expert_dispatch: str = "all_to_all"
+    expert_capacity_factor: float = 0.0
+    # Pipeline parallelism (used when the mesh has a pipeline axis > 1): microbatches per batch
+    # in the GPipe schedule; 0 picks 4 x stages (or the largest of 2x, 1x dividing the batch).
+    pipeline_microbatches: int = 0
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def compute_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self):
+        return DTYPES[self.param_dtype]
+
+    def replace(self, **changes: Any) -> ExecutionOptions:
+        """New validated options with some fields changed."""
+        return ExecutionOptions.from_dict({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> ExecutionOptions:
+        """Builds and validates options from a mapping (a dict or an ml_collections ConfigDict,
+        e.g. a config file's `execution` section); None or {} gives the defaults."""
+        if values is None:
+            return cls()
+        if hasattr(values, "to_dict"):
+            values = values.to_dict()
+        unknown = sorted(set(values) - set(EXECUTION_FIELDS))
+        if unknown:
+            raise ConfigError(f"unknown execution option(s): {', '.join(unknown)} "
+                              f"(known: {', '.join(EXECUTION_FIELDS)})")
+        return cls(**values)
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first invalid field."""
+        require = functools.partial(check_field, self)
+        require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}")
+        require(self.param_dtype in DTYPES, "param_dtype", f"must be one of {sorted(DTYPES)}")
+        require(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}")
+        require(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
+        for field in ("attention_impl", "indexer_impl", "decode_attention_impl"):
+            require(getattr(self, field) in KERNEL_IMPLS, field, f"must be one of {KERNEL_IMPLS}")
+        require(self.expert_dispatch in EXPERT_DISPATCHES, "expert_dispatch",
+                f"must be one of {EXPERT_DISPATCHES}")
+        value = self.pipeline_microbatches
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                "pipeline_microbatches", "must be an integer >= 0 (0 = automatic)")
+        value = self.expert_capacity_factor
+        require(isinstance(value, (int, float)) and not isinstance(value, bool)
+                and (value == 0 or value >= 1), "expert_capacity_factor", "must be 0 (dropless) or >= 1")
+
+
+EXECUTION_FIELDS = tuple(f.name for f in dataclasses.fields(ExecutionOptions))
+
+
+def split_saved_model_section(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A `model` section saved before the execution fields moved out -> (architecture fields,
+    execution fields). For reading old run directories; new configs keep them apart."""
+    if hasattr(values, "to_dict"):
+        values = values.to_dict()
+    model = {k: v for k, v in values.items() if k not in EXECUTION_FIELDS}
+    execution = {k: v for k, v in values.items() if k in EXECUTION_FIELDS}
+    return model, execution
+
+
+def options_from_run_config(run_config: Mapping[str, Any]) -> ExecutionOptions:
+    """The ExecutionOptions of a whole config (a train.py run_config.json dict or a get_config()
+    ConfigDict): its `execution` section, plus execution fields an old `model` section still
+    holds (the `execution` section wins)."""
+    _, legacy = split_saved_model_section(run_config.get("model") or {})
+    execution = run_config.get("execution") or {}
+    if hasattr(execution, "to_dict"):
+        execution = execution.to_dict()
+    return ExecutionOptions.from_dict({**legacy, **execution})
+
+
+def as_options(options, config=None) -> ExecutionOptions:
+    """`options` as ExecutionOptions: None -> the `execution` section of `config` when `config` is
+    a whole config file (ConfigDict with one), else the defaults; a mapping is validated."""
+    if isinstance(options, ExecutionOptions):
+        return options
+    if options is None:
+        whole_config = not isinstance(config, ModelConfig) and (
+            isinstance(config, Mapping) or hasattr(config, "to_dict"))
+        if whole_config and "execution" in config:
+            return ExecutionOptions.from_dict(config["execution"])
+        return ExecutionOptions()
+    if isinstance(options, Mapping) or hasattr(options, "to_dict"):
+        return ExecutionOptions.from_dict(options)
+    raise TypeError(f"options must be an ExecutionOptions, a mapping of its fields or None, "
+                    f"got {type(options).__name__}")
