@@ -85,6 +85,9 @@ class FakeStream:
         self.cancel_calls += 1
         self.waiting = False
 
+    def has_pending(self) -> bool:  # one token at a time: never more than one ready
+        return False
+
     def _script(self):
         special = {self.engine.tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
         body = [t for t in self.prompt_ids if t not in special] or [self.engine.eos_token_ids[0]]

@@ -76,6 +76,10 @@ class RequestStream:
         """Stops generation; the engine frees the slot and ends the stream with "abort"."""
         self.cancelled.set()
 
+    def has_pending(self) -> bool:
+        """More events are ready now (a multi-step decode delivers its tokens in one burst)."""
+        return not self._events.empty()
+
     def _deliver(self, event: GenerationEvent) -> None:  # engine thread
         if event.finish_reason is not None:
             self.finished = True

@@ -95,7 +95,8 @@ class Generation:
                     self.finish_reason = finish
                     yield Piece(self._text.take(final=True), pending, finish)
                     return
-                if text := self._text.take():
+                # A burst of tokens (several decode steps per device call) goes out as one piece.
+                if not self.stream.has_pending() and (text := self._text.take()):
                     yield Piece(text, pending)
                     pending = []
             self.finish_reason = "abort"  # the engine ended the stream without saying why
