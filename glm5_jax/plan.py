@@ -221,6 +221,7 @@ def _plan_serve(args, config, options, mesh, rules) -> list[str]:
     from jax.sharding import PartitionSpec as P
 
     from glm5_jax.model.paged_decode import (
+        DEFAULT_BLOCK_POSITIONS,
         StepBatch,
         init_paged_cache,
         paged_cache_bytes_per_page,
@@ -231,7 +232,7 @@ def _plan_serve(args, config, options, mesh, rules) -> list[str]:
 
     batch_rows = args.batch or mesh.size
     page_size = args.page_size
-    block_pages = max(1, 128 // page_size)
+    block_pages = max(1, DEFAULT_BLOCK_POSITIONS // page_size)  # as the engine's runner
     table_width = -(-args.context // (page_size * block_pages)) * block_pages
     num_pages = batch_rows * table_width
     params_sharding = sharding.param_shardings(config, mesh, rules)

@@ -122,10 +122,9 @@ def _feed_forward(config: ModelConfig, options: ExecutionOptions, layer, x, ffn:
 class _StackKinds(NamedTuple):
     """Static description of one scanned stack's layers."""
 
-    mode: str  # "full" (all DSA), "ring" (all sliding-window) or "mixed"
+    mode: str  # "full" (all DSA), "window" (all sliding-window) or "mixed"
     run: jax.Array  # bool [L]: the layer runs the indexer
     sliding: jax.Array  # bool [L]: the layer is a sliding-window layer
-    group_index: jax.Array  # int32 [L]: the layer's index in its cache group
     uniform_run: bool | None  # `run` when all the stack's DSA layers agree, else None
 
 
@@ -134,10 +133,9 @@ def _stack_kinds(config: ModelConfig, stack: str) -> _StackKinds:
     sliding = [_is_sliding(config, i) for i in layers]
     run = [not s and config.indexer_types[i] == "full" for i, s in zip(layers, sliding, strict=True)]
     dsa_runs = {r for r, s in zip(run, sliding, strict=True) if not s}
-    mode = "ring" if all(sliding) else "mixed" if any(sliding) else "full"
-    index = [sliding[:j].count(sliding[j]) for j in range(len(sliding))]
-    return _StackKinds(mode, jnp.asarray(run), jnp.asarray(sliding), jnp.asarray(index, jnp.int32),
-                       dsa_runs.pop() if len(dsa_runs) == 1 else None)
+    mode = "window" if all(sliding) else "mixed" if any(sliding) else "full"
+    uniform_run = dsa_runs.pop() if len(dsa_runs) == 1 else None
+    return _StackKinds(mode, jnp.asarray(run), jnp.asarray(sliding), uniform_run)
 
 
 def _has_dsa(config: ModelConfig, stack: str) -> bool:
@@ -384,7 +382,7 @@ def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows
     for stack in _stack_sizes(config):
         kinds = _stack_kinds(config, stack)
         ffn = "dense" if stack == "dense_layers" else "moe"
-        has_dsa = kinds.mode != "ring"
+        has_dsa = kinds.mode != "window"
 
         num_layers = _stack_sizes(config)[stack]
         # The scan carries the flat pools (updated in place); scanning over [L, ...] slices of
@@ -444,7 +442,7 @@ def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows
 
             if kinds.mode == "full":
                 context = dsa_context()
-            elif kinds.mode == "ring":
+            elif kinds.mode == "window":
                 context = window_context()
             else:
                 context = jax.lax.cond(sliding_flag, window_context, dsa_context)

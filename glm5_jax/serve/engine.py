@@ -30,7 +30,7 @@ import numpy as np
 import tokenizers
 
 from glm5_jax.model.config import ModelConfig
-from glm5_jax.model.paged_decode import DEFAULT_BLOCK_POSITIONS, StepBatch
+from glm5_jax.model.paged_decode import DEFAULT_BLOCK_POSITIONS
 from glm5_jax.serve.observer import EngineObserver
 from glm5_jax.serve.paged_cache import PageAllocator
 from glm5_jax.serve.runner import MAX_STOP_IDS, ModelRunner, Sampled
@@ -377,18 +377,15 @@ class Engine:
 
     def _decode(self, plan: DecodePlan) -> None:
         rows = next(b for b in decode_buckets(self.max_slots) if b >= len(plan.sequences))
-        tokens, positions = np.zeros(rows, np.int32), np.full(rows, -1, np.int32)
-        tables = np.zeros((rows, self.runner.table_width), np.int32)
-        slots, remaining = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        stop_ids = np.full((rows, MAX_STOP_IDS), -1, np.int32)
+        inputs = self.runner.padding_decode(rows)
         for row, sequence in enumerate(plan.sequences):
-            tokens[row], positions[row] = sequence.tokens[-1], sequence.computed
-            tables[row], slots[row] = self.runner.table(sequence.pages), sequence.slot
-            remaining[row] = sequence.max_new - sequence.generated
+            inputs["tokens"][row], inputs["positions"][row] = sequence.tokens[-1], sequence.computed
+            inputs["tables"][row], inputs["slots"][row] = self.runner.table(sequence.pages), sequence.slot
+            inputs["remaining"][row] = sequence.max_new - sequence.generated
             ids = self._stop_ids(sequence)
-            stop_ids[row, :len(ids)] = ids
-        sampled = self.runner.decode(tokens, positions, tables, slots, remaining, stop_ids, plan.steps,
-                                     self._top_wanted(plan.sequences))
+            inputs["stop_ids"][row, :len(ids)] = ids
+        sampled = self.runner.decode(**inputs, steps=plan.steps,
+                                     top_wanted=self._top_wanted(plan.sequences))
         with self._lock:
             for step in range(plan.steps):
                 for row, sequence in enumerate(plan.sequences):
@@ -399,12 +396,9 @@ class Engine:
                     self._emit(sequence, token, sampled, (step, row))
 
     def _mixed(self, plan: MixedPlan) -> None:
-        chunk_rows, chunk_len = plan.geometry
+        chunk_len = plan.geometry[1]
         decode_rows = self.max_slots
-        batch = StepBatch(np.zeros(decode_rows, np.int32), np.full(decode_rows, -1, np.int32),
-                          np.zeros((chunk_rows, chunk_len), np.int32),
-                          np.full((chunk_rows, chunk_len), -1, np.int32),
-                          np.zeros((decode_rows + chunk_rows, self.runner.table_width), np.int32))
+        batch = self.runner.padding_batch(*plan.geometry)
         sample_rows, slots = np.zeros(self.max_slots, np.int32), np.zeros(self.max_slots, np.int32)
         mask = np.zeros(self.max_slots, bool)
         sampled_index = {}
@@ -469,20 +463,14 @@ class Engine:
     # ------------------------------------------------------------------ warm-up
     def _compile_all(self) -> None:
         """Runs every step shape once on padding only (nothing written, no sampler state changes)."""
-        runner, width = self.runner, self.runner.table_width
+        runner = self.runner
         for _ in range(2):  # the second round compiles what a cache that came out of a step needs
             for rows in decode_buckets(self.max_slots):
-                none = np.full(rows, -1, np.int32)
-                runner.decode(np.zeros(rows, np.int32), none, np.zeros((rows, width), np.int32),
-                              np.zeros(rows, np.int32), np.zeros(rows, np.int32),
-                              np.full((rows, MAX_STOP_IDS), -1, np.int32), self.decode_steps)
-            for chunk_rows, chunk_len in chunk_geometries(self.token_budget):
-                batch = StepBatch(np.zeros(self.max_slots, np.int32), np.full(self.max_slots, -1, np.int32),
-                                  np.zeros((chunk_rows, chunk_len), np.int32),
-                                  np.full((chunk_rows, chunk_len), -1, np.int32),
-                                  np.zeros((self.max_slots + chunk_rows, width), np.int32))
-                zeros = np.zeros(self.max_slots, np.int32)
-                runner.mixed_step(batch, zeros, zeros, np.zeros(self.max_slots, bool))
+                runner.decode(**runner.padding_decode(rows), steps=self.decode_steps)
+            for geometry in chunk_geometries(self.token_budget):
+                unused = np.zeros(self.max_slots, np.int32)
+                mask = np.zeros(self.max_slots, bool)
+                runner.mixed_step(runner.padding_batch(*geometry), unused, unused, mask)
             runner.write_slot(0, runner.read_slot(0))
             runner.set_slot(0, SamplingParams(), [0], 0)
             if self.pages.host_pages:

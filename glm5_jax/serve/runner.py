@@ -150,6 +150,22 @@ class ModelRunner:
     def write_page(self, page: int, data) -> None:
         self.cache = write_page(self.cache, jnp.int32(page), data, num_pages=self.num_pages)
 
+    def padding_batch(self, chunk_rows: int, chunk_len: int) -> StepBatch:
+        """An all-padding mixed step (max_slots decode rows, a chunk geometry); fill in place."""
+        rows = self.max_slots
+        chunk = (chunk_rows, chunk_len)
+        tables = np.zeros((rows + chunk_rows, self.table_width), np.int32)
+        return StepBatch(np.zeros(rows, np.int32), np.full(rows, -1, np.int32), np.zeros(chunk, np.int32),
+                         np.full(chunk, -1, np.int32), tables)
+
+    def padding_decode(self, rows: int) -> dict[str, np.ndarray]:
+        """All-padding `decode` inputs for `rows` rows (tokens, positions -1, tables, slots,
+        remaining, stop_ids -1); fill in place."""
+        return {"tokens": np.zeros(rows, np.int32), "positions": np.full(rows, -1, np.int32),
+                "tables": np.zeros((rows, self.table_width), np.int32), "slots": np.zeros(rows, np.int32),
+                "remaining": np.zeros(rows, np.int32),
+                "stop_ids": np.full((rows, MAX_STOP_IDS), -1, np.int32)}
+
     def table(self, pages: list[int]) -> np.ndarray:
         row = np.zeros(self.table_width, np.int32)
         row[:len(pages)] = pages

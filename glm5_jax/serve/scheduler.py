@@ -187,8 +187,9 @@ class Scheduler:
             steps = self.decode_steps
             for sequence in list(self.running):
                 if sequence in self.running:
-                    last = min(sequence.computed + steps, len(sequence.tokens) - 1 + self._left(sequence))
-                    self._grow(sequence, last, preempted)
+                    # Positions this call may write: one per step, at most one per token still allowed.
+                    allowed = sequence.max_new - sequence.generated
+                    self._grow(sequence, sequence.computed + min(steps, allowed), preempted)
             if self.running:
                 return DecodePlan(list(self.running), steps, preempted)
             return None
@@ -212,10 +213,6 @@ class Scheduler:
         if not decodes and not chunks:
             return None
         return MixedPlan(decodes, chunks, geometry, preempted)
-
-    def _left(self, sequence: Sequence) -> int:
-        """Tokens the sequence may still generate."""
-        return sequence.max_new - sequence.generated
 
     @staticmethod
     def _covered(prefills: list[Sequence], geometry: tuple[int, int]) -> int:
