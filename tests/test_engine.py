@@ -44,6 +44,7 @@ def test_greedy_matches_forward_with_concurrent_requests(model, engine):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 200, n).tolist() for n in (5, 17, 9, 30, 2)]  # 5 requests, 3 slots
     greedy = SamplingParams(max_tokens=10, temperature=0.0)
+    overlapped = engine.overlapped_calls
 
     async def run_all():
         return await asyncio.gather(*(collect(engine, p, greedy) for p in prompts))
@@ -53,6 +54,7 @@ def test_greedy_matches_forward_with_concurrent_requests(model, engine):
         expected = greedy_chain(config, params, prompt, 10, length=MAX_CONTEXT)
         assert tokens == expected
         assert reason == ("stop" if expected[-1] in config.eos_token_ids else "length")
+    assert engine.overlapped_calls > overlapped  # decode calls dispatched behind running ones
 
 
 def test_no_recompiles_in_steady_state(engine):
@@ -258,6 +260,33 @@ def test_a_failing_step_fails_only_its_requests(engine, monkeypatch):
     assert failed[-1].finish_reason == "error" and "injected" in failed[-1].error
     served = asyncio.run(collect_events(engine, [3, 4, 5], greedy))
     assert served[-1].finish_reason == "length" and len(served) == 4
+    assert engine.failure is None and engine.active_requests == 0
+
+
+def test_a_decode_call_failing_after_dispatch(model, engine, monkeypatch):
+    """Fault injection where calls overlap: the 2nd decode call's tokens fail to arrive while a
+    3rd is already dispatched behind it. The request fails at that point; the next request gets
+    `forward`'s greedy chain."""
+    config, params = model
+    runner = engine.runner
+    real_fetch, fetched = runner.fetch, []
+
+    def fail_second(call):
+        fetched.append(call)
+        if len(fetched) == 2:
+            raise RuntimeError("injected device error")
+        return real_fetch(call)
+
+    monkeypatch.setattr(runner, "fetch", fail_second)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    overlapped = engine.overlapped_calls
+    failed = asyncio.run(collect_events(engine, [3, 4, 5], greedy))
+    # 1 token from the prefill step, 8 from the first decode call, then the error.
+    assert len(failed) == 10 and failed[-1].finish_reason == "error" and "injected" in failed[-1].error
+    assert engine.overlapped_calls == overlapped + 2
+    monkeypatch.setattr(runner, "fetch", real_fetch)
+    assert asyncio.run(collect(engine, [3, 4, 5], greedy)) == (
+        greedy_chain(config, params, [3, 4, 5], 30, length=MAX_CONTEXT), "length")
     assert engine.failure is None and engine.active_requests == 0
 
 

@@ -102,3 +102,33 @@ def test_the_waiting_queue_is_bounded():
     with pytest.raises(QueueFullError, match="2 requests") as error:
         scheduler.add(sequence("c", 3))
     assert error.value.retry_after > 0
+
+
+def test_a_continuation_reserves_pages_ahead_and_defers_to_the_host():
+    """While a decode call runs, the next one is planned for the same sequences with pages for
+    both calls' positions; anything that needs the host's view first gives None, never a preemption."""
+    def decoding(num_pages):
+        scheduler = make(num_pages=num_pages, steps=4)
+        pair = [sequence(f"s{i}", 6, max_new=10, first=100 * i) for i in range(2)]
+        for seq in pair:
+            scheduler.add(seq)
+        scheduler.admit()
+        finish_prefill(scheduler, scheduler.plan())
+        return scheduler, pair, scheduler.plan()
+
+    scheduler, pair, running = decoding(num_pages=12)
+    following = scheduler.continue_decode(running)
+    assert following.sequences == pair and following.steps == 4 and not following.preempted
+    # 6 computed + 4 in the running call + 4 in the next -> positions < 14 covered.
+    assert all(len(seq.pages) * PAGE >= 14 for seq in pair)
+    late = sequence("late", 5, first=900)
+    scheduler.add(late)
+    assert scheduler.continue_decode(running) is None  # admission first
+    scheduler.release(late)
+    for seq in pair:
+        seq.generated = seq.max_new - 4  # the running call reaches every length: nothing to continue
+    assert scheduler.continue_decode(running) is None
+
+    scheduler, pair, running = decoding(num_pages=7)  # 6 pages in use, the next call needs 2 more
+    assert scheduler.continue_decode(running) is None
+    assert scheduler.preemptions == 0 and scheduler.running == pair

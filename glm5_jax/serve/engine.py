@@ -8,6 +8,14 @@ this module owns requests: it validates and queues them, applies each plan, chec
 token ids and lengths on the host (tokens a multi-step call produced past a request's end are
 discarded, never sent) and delivers events to the request's asyncio stream.
 
+Overlap: a decode call is dispatched and not waited for. While it runs, the engine plans the
+next call for the same sequences (`Scheduler.continue_decode`), dispatches it behind the first
+(its tokens, positions and remaining counts come from the first call's device state), and only
+then reads the first call's tokens and delivers them. So in steady decoding the device always
+has the next call queued while the host handles the last one. Whenever the host must decide
+first (a request to admit, a cancellation, pages that would need preemption), the call in
+flight is read before the next plan.
+
 Supervision: a step that raises fails only the requests in it (each ends with finish_reason
 "error"); if it destroyed the page pool, every running request fails and the pool is rebuilt.
 After `max_consecutive_failures` failing steps in a row the engine stops: `failure` says why,
@@ -33,7 +41,7 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.paged_decode import DEFAULT_BLOCK_POSITIONS
 from glm5_jax.serve.observer import EngineObserver
 from glm5_jax.serve.paged_cache import PageAllocator
-from glm5_jax.serve.runner import MAX_STOP_IDS, ModelRunner, Sampled
+from glm5_jax.serve.runner import MAX_STOP_IDS, DecodeCall, ModelRunner, Sampled
 from glm5_jax.serve.scheduler import (
     DecodePlan,
     MixedPlan,
@@ -100,6 +108,12 @@ class RequestStream:
 
 
 
+@dataclasses.dataclass
+class _InFlight:
+    plan: DecodePlan
+    call: DecodeCall
+
+
 @dataclasses.dataclass(eq=False)
 class _Request:
     """The engine's per-request data, carried by its scheduler Sequence."""
@@ -163,6 +177,7 @@ class Engine:
         self._compiles = 0
         self._consecutive_failures = 0
         self.steps = 0
+        self.overlapped_calls = 0  # decode calls dispatched before the previous call's tokens were read
         jax.monitoring.register_event_duration_secs_listener(self._on_duration_event)
         self._thread = threading.Thread(target=self._run, name="glm5-engine", daemon=True)
         self._thread.start()
@@ -251,28 +266,38 @@ class Engine:
 
     def _run(self) -> None:
         reason = "abort"
+        in_flight: _InFlight | None = None  # a dispatched decode call whose tokens are not read yet
         try:
             while not self._stopping.is_set():
+                plan = following = None
+                tasks = []
                 with self._lock:
-                    tasks, self._tasks = self._tasks, []
                     self._drop_cancelled()
                     self._admit()
-                    plan = self.scheduler.plan()
-                    if plan is not None:
-                        self._save_preempted(plan.preempted)
-                while tasks:
-                    task, done = tasks[0]
-                    try:
-                        task()
-                    finally:
-                        done.set()
-                        tasks.pop(0)
-                if plan is None:
-                    if not tasks:
+                    if in_flight is not None:
+                        following = None if self._tasks else self.scheduler.continue_decode(in_flight.plan)
+                    else:
+                        tasks, self._tasks = self._tasks, []
+                        plan = self.scheduler.plan()
+                        if plan is not None:
+                            self._save_preempted(plan.preempted)
+                if in_flight is not None:
+                    in_flight = self._advance(in_flight, following)
+                elif plan is None:
+                    if tasks:
+                        self._run_tasks(tasks)
+                    else:
                         self._wakeup.wait(timeout=0.5)
                         self._wakeup.clear()
-                    continue
-                if not self._execute(plan):
+                else:
+                    self._run_tasks(tasks)
+                    if isinstance(plan, DecodePlan):
+                        call = self._guarded(plan.sequences, lambda plan=plan: self._launch_decode(plan))
+                        in_flight = None if call is None else _InFlight(plan, call)
+                    elif self._guarded(plan.decodes + [s for s, _ in plan.chunks],
+                                       lambda plan=plan: self._mixed(plan)):
+                        self._step_done()
+                if self.failure is not None:
                     reason = "error"
                     return
         except Exception as exc:  # a bug outside a model step: stop rather than hang requests
@@ -286,17 +311,36 @@ class Engine:
                 for _, done in self._tasks:
                     done.set()
 
-    def _execute(self, plan) -> bool:
-        """Runs one plan; False once failures repeat and the engine must stop."""
-        if isinstance(plan, DecodePlan):
-            sequences = plan.sequences
-        else:
-            sequences = plan.decodes + [s for s, _ in plan.chunks]
+    @staticmethod
+    def _run_tasks(tasks) -> None:
+        while tasks:
+            task, done = tasks[0]
+            try:
+                task()
+            finally:
+                done.set()
+                tasks.pop(0)
+
+    def _advance(self, in_flight: _InFlight, following: DecodePlan | None) -> _InFlight | None:
+        """Dispatches `following` (if any) behind the running call, then reads the running call's
+        tokens while the device works on the next one. Returns the call now in flight."""
+        call = None
+        if following is not None:
+            call = self._guarded(following.sequences,
+                                 lambda: self._launch_decode(following, after=in_flight.call))
+            self.overlapped_calls += call is not None
+        if not self._guarded(in_flight.plan.sequences, lambda: self._complete_decode(in_flight)):
+            return None  # a call behind a failed one started from its (failed) state: drop it too
+        self._step_done()
+        return None if call is None else _InFlight(following, call)
+
+    def _guarded(self, sequences: list[Sequence], action):
+        """action()'s result (True if it returns None). On an exception the step's requests fail,
+        the page pool is rebuilt if the failure destroyed it, `failure` is set once failures
+        repeat (the engine must stop), and None is returned."""
         try:
-            if isinstance(plan, DecodePlan):
-                self._decode(plan)
-            else:
-                self._mixed(plan)
+            result = action()
+            return True if result is None else result
         except Exception as exc:
             logger.exception("a model step failed; failing its %d requests", len(sequences))
             message = f"{type(exc).__name__}: {exc}"
@@ -316,8 +360,9 @@ class Engine:
                     self.scheduler.pages = self._new_allocator(self.scheduler.pages.num_pages)
             if self.failure is not None:
                 logger.error("engine stopping: %s", self.failure)
-                return False
-            return True
+            return None
+
+    def _step_done(self) -> None:
         self._consecutive_failures = 0
         self.steps += 1
         if self.steps == 1 and self.pages.host_pages:
@@ -327,7 +372,6 @@ class Engine:
         pages = self.pages
         self.observer.on_step(pages.used, pages.num_pages, pages.host_used, len(self.scheduler.running),
                               len(self.scheduler.waiting), self._compiles)
-        return True
 
     def _drop_cancelled(self) -> None:
         for sequence in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -375,7 +419,9 @@ class Engine:
     def _top_wanted(sequences) -> bool:
         return any(s.payload.stream.params.logprobs for s in sequences)
 
-    def _decode(self, plan: DecodePlan) -> None:
+    def _launch_decode(self, plan: DecodePlan, after: DecodeCall | None = None) -> DecodeCall:
+        """Dispatches the plan's decode call; a continuation (`after` the call before it, same
+        rows) takes each row's token, position and remaining count from that call's device state."""
         rows = next(b for b in decode_buckets(self.max_slots) if b >= len(plan.sequences))
         inputs = self.runner.padding_decode(rows)
         for row, sequence in enumerate(plan.sequences):
@@ -384,8 +430,16 @@ class Engine:
             inputs["remaining"][row] = sequence.max_new - sequence.generated
             ids = self._stop_ids(sequence)
             inputs["stop_ids"][row, :len(ids)] = ids
-        sampled = self.runner.decode(**inputs, steps=plan.steps,
-                                     top_wanted=self._top_wanted(plan.sequences))
+        if after is not None:
+            inputs.update(tokens=after.tokens, positions=after.positions, remaining=after.remaining)
+        return self.runner.launch_decode(**inputs, steps=plan.steps,
+                                         top_wanted=self._top_wanted(plan.sequences))
+
+    def _complete_decode(self, in_flight: _InFlight) -> None:
+        """Waits for a decode call's tokens and delivers them (a sequence that finished on the
+        host meanwhile, or in an earlier call, has no slot: its rows are discarded)."""
+        plan = in_flight.plan
+        sampled = self.runner.fetch(in_flight.call)
         with self._lock:
             for step in range(plan.steps):
                 for row, sequence in enumerate(plan.sequences):
@@ -466,7 +520,10 @@ class Engine:
         runner = self.runner
         for _ in range(2):  # the second round compiles what a cache that came out of a step needs
             for rows in decode_buckets(self.max_slots):
-                runner.decode(**runner.padding_decode(rows), steps=self.decode_steps)
+                inputs = runner.padding_decode(rows)
+                call = runner.launch_decode(**inputs, steps=self.decode_steps)
+                inputs.update(tokens=call.tokens, positions=call.positions, remaining=call.remaining)
+                runner.fetch(runner.launch_decode(**inputs, steps=self.decode_steps))  # a continuation
             for geometry in chunk_geometries(self.token_budget):
                 unused = np.zeros(self.max_slots, np.int32)
                 mask = np.zeros(self.max_slots, bool)

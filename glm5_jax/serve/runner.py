@@ -5,7 +5,9 @@ device programs the engine calls (no scheduling decisions).
   slots whose pending tokens are all computed.
 - `decode`: up to `steps` decode steps in ONE device call (`decode_loop`): model step, sampling,
   EOS / stop-token / length checks; rows that finish stop writing; all new tokens come back at
-  once. Pages for those steps are reserved by the scheduler beforehand.
+  once. Pages for those steps are reserved by the scheduler beforehand. `launch_decode` only
+  dispatches (the engine prepares the next call meanwhile); a continuation starts from the
+  previous call's device state, so back-to-back calls need no host round trip in between.
 Shapes come from a few fixed buckets (decode rows: powers of two up to max_slots; chunk
 geometries of one token budget; block tables padded to max_pages), so steady state compiles
 nothing.
@@ -33,6 +35,17 @@ from glm5_jax.serve.sampling import SamplingState, init_sampling_state, sample, 
 from glm5_jax.serve.types import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_IDS = 16  # stop token ids the device checks per row (the host re-checks all of them)
+
+
+class DecodeCall(NamedTuple):
+    """A dispatched `decode_loop` (JAX dispatch is asynchronous: nothing waits for it here).
+    outputs: device arrays [steps, R] (see Sampled); tokens, positions, remaining [R]: the loop's
+    final state on the device, where a continuation call starts without a host round trip."""
+
+    outputs: tuple
+    tokens: jax.Array
+    positions: jax.Array
+    remaining: jax.Array
 
 
 class Sampled(NamedTuple):
@@ -84,7 +97,8 @@ def decode_loop(config: ModelConfig, params, cache, state: SamplingState, tokens
     tokens, positions, slots, remaining: [R] int32 (position -1 = padding row; remaining = tokens
     the row may still generate); tables: [R, W]; stop_ids: [R, MAX_STOP_IDS] (-1 = none), ids that
     end a row (EOS included unless ignored). Returns (Sampled-like tuple of [steps, R] arrays with
-    token -1 after a row finished, cache, state). Stops early when every row has finished.
+    token -1 after a row finished, (tokens, positions, remaining) after the last step, cache,
+    state). Stops early when every row has finished.
     """
     rows = tokens.shape[0]
     empty_chunk = jnp.zeros((0, 0), jnp.int32)
@@ -111,8 +125,8 @@ def decode_loop(config: ModelConfig, params, cache, state: SamplingState, tokens
         return (step < steps) & jnp.any((positions >= 0) & (remaining > 0))
 
     carry = (jnp.int32(0), cache, state, tokens, positions, remaining, outputs)
-    _, cache, state, _, _, _, outputs = jax.lax.while_loop(more, body, carry)
-    return outputs, cache, state
+    _, cache, state, tokens, positions, remaining, outputs = jax.lax.while_loop(more, body, carry)
+    return outputs, (tokens, positions, remaining), cache, state
 
 
 class ModelRunner:
@@ -182,19 +196,38 @@ class ModelRunner:
             block_pages=self.block_pages)
         return Sampled(*(np.asarray(a) for a in outputs))
 
-    def decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int,
-               top_wanted: bool = True) -> Sampled:
-        """`decode_loop` on host arrays; returns [steps, R] host arrays."""
-        outputs, self.cache, self.sampling = decode_loop(
+    def launch_decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int,
+                      top_wanted: bool = True) -> DecodeCall:
+        """Dispatches `decode_loop` and returns at once. tokens, positions, remaining may be host
+        arrays or the device state of the previous call (`DecodeCall`), for a continuation."""
+        outputs, (tokens, positions, remaining), self.cache, self.sampling = decode_loop(
             self.config, self.params, self.cache, self.sampling, *(jnp.asarray(a) for a in (
                 tokens, positions, tables, slots, remaining, stop_ids, top_wanted)),
             options=self.options, block_pages=self.block_pages, steps=steps)
-        return Sampled(*(np.asarray(a) for a in outputs))
+        return DecodeCall(outputs, tokens, positions, remaining)
+
+    @staticmethod
+    def fetch(call: DecodeCall) -> Sampled:
+        """Waits for a dispatched call; its [steps, R] outputs as host arrays."""
+        return Sampled(*(np.asarray(a) for a in call.outputs))
+
+    def decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int,
+               top_wanted: bool = True) -> Sampled:
+        """`decode_loop` on host arrays, waited for; returns [steps, R] host arrays."""
+        return self.fetch(self.launch_decode(tokens, positions, tables, slots, remaining, stop_ids, steps,
+                                             top_wanted))
 
     def cache_lost(self) -> bool:
-        """True when a failed step consumed (donated) the page pool or the sampler state."""
+        """True when a failed step consumed (donated) the page pool or the sampler state, or left
+        them holding an error (a call that failed on the device after dispatch)."""
         leaves = jax.tree.leaves(self.cache) + jax.tree.leaves(self.sampling)
-        return any(leaf.is_deleted() for leaf in leaves)
+        if any(leaf.is_deleted() for leaf in leaves):
+            return True
+        try:
+            jax.block_until_ready(leaves)
+        except Exception:  # noqa: BLE001 - any device error poisons the arrays for good
+            return True
+        return False
 
     def reset(self) -> None:
         """Fresh page pool and sampler state (after a failure destroyed them)."""

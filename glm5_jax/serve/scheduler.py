@@ -7,11 +7,13 @@ Each iteration the engine asks for one `StepPlan`:
   - `MixedPlan` otherwise: one step with a decode token for every decoding sequence and prefill
     chunks of the others, packed into one of a few fixed chunk geometries (rows x tokens) of
     `token_budget` tokens, so the compile count stays constant in steady state.
-When pages run out the most recently admitted sequence is preempted: its pages are released and
-it is requeued at the front with prompt + generated tokens, to be recomputed (mostly from the
-prefix cache) later; the plan lists it (with the slot it left) so the engine can keep its
-sampler state. Admission takes prefix-cache hits and waits (head of line) until the uncached
-part of the prompt fits in the free pages.
+While a decode call runs, `continue_decode` plans the next one for the same sequences (the
+engine dispatches it before reading the running call's tokens) whenever no host decision is
+needed in between. When pages run out the most recently admitted sequence is preempted: its
+pages are released and it is requeued at the front with prompt + generated tokens, to be
+recomputed (mostly from the prefix cache) later; the plan lists it (with the slot it left) so
+the engine can keep its sampler state. Admission takes prefix-cache hits and waits (head of
+line) until the uncached part of the prompt fits in the free pages.
 """
 
 from __future__ import annotations
@@ -213,6 +215,32 @@ class Scheduler:
         if not decodes and not chunks:
             return None
         return MixedPlan(decodes, chunks, geometry, preempted)
+
+    def continue_decode(self, plan: DecodePlan) -> DecodePlan | None:
+        """The next decode call for `plan`'s sequences while `plan` is still on the device, or
+        None when the host must see its results first.
+
+        Pages are reserved as if every sequence ran all of `plan`'s steps (an upper bound; the
+        device carries each row's real state into the continuation, and rows that stopped stay
+        stopped). None when a request waits for admission, a running sequence is not in `plan`
+        (admitted or cancelled since), every sequence will have reached its length, or the
+        pages do not fit without preemption (preemption needs the host's view of the tokens).
+        """
+        if self.waiting or set(self.running) != set(plan.sequences):
+            return None
+        ends = []
+        for sequence in plan.sequences:
+            allowed = sequence.max_new - sequence.generated - plan.steps
+            ends.append(sequence.computed + plan.steps + max(0, min(self.decode_steps, allowed)))
+        if all(s.max_new - s.generated <= plan.steps for s in plan.sequences):
+            return None
+        needed = sum(max(0, -(-end // self.page_size) - len(s.pages))
+                     for s, end in zip(plan.sequences, ends, strict=True))
+        if needed > self.pages.available:
+            return None
+        for sequence, end in zip(plan.sequences, ends, strict=True):
+            self._grow(sequence, end, [])  # fits: never preempts
+        return DecodePlan(list(plan.sequences), self.decode_steps, [])
 
     @staticmethod
     def _covered(prefills: list[Sequence], geometry: tuple[int, int]) -> int:
