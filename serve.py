@@ -11,7 +11,9 @@ checkpoint directory's name) or one of its aliases. `--server-config FILE` (conf
 gives aliases, API keys and per-key rate limits; /metrics serves Prometheus metrics. Execution
 options (--dtype, --moe-impl, --attention-impl, --indexer-impl, --decode-attention-impl) start
 from the checkpoint's (a run's `execution` section, an HF checkpoint's stored dtype), e.g.
-`--decode-attention-impl pallas` serves through the Pallas ragged paged-attention kernel. If the engine
+`--decode-attention-impl pallas` serves through the Pallas ragged paged-attention kernel.
+`--mesh tensor=2,expert=4` serves on a device mesh (the syntax of `python -m glm5_jax.plan
+--mesh`): heads, MLP units and vocab over tensor, routed experts over expert. If the engine
 fails for good (engine.failure is set), the server stops and the process exits with status 1, so
 that a supervisor (systemd, Kubernetes) restarts it. See docs/serving.md.
 """
@@ -19,6 +21,7 @@ that a supervisor (systemd, Kubernetes) restarts it. See docs/serving.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import threading
@@ -78,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--host-cache-pages", type=int, default=0,
                         help="host-memory pages that evicted prefix pages are offloaded to (default: 0, "
                              "no offload)")
+    parser.add_argument("--mesh", default=None, metavar="AXES",
+                        help="serve on a device mesh, e.g. tensor=2,expert=4 or expert=8 (axes tensor, "
+                             "expert, data; sizes multiply to the device count; default: one device)")
     parser.add_argument("--quantize", default=None, metavar="RECIPE",
                         help="quantize the weights on load with this recipe name or file "
                              "(glm5_jax.runs.load_any; default: as stored)")
@@ -163,6 +169,21 @@ def serve_until_failure(server, engine, poll_seconds: float = 0.5) -> str | None
     return engine.failure
 
 
+def mesh_shardings(text: str, placed: dict, config, params=None):
+    """The served weights' shardings (shaped like `params`, float weights when None) on the mesh
+    `text` names; the mesh goes into placed["mesh"]."""
+    from glm5_jax.parallel.mesh import MeshError, MeshSpec, make_mesh
+    from glm5_jax.parallel.sharding import serving_param_shardings
+
+    if "mesh" not in placed:
+        spec = MeshSpec.parse(text)
+        if spec.pipeline != 1 or spec.fsdp != 1:
+            raise MeshError(f"--mesh {text}: serving splits over tensor, expert and data only "
+                            "(no pipeline or fsdp axis)")
+        placed["mesh"] = make_mesh(spec, config)
+    return serving_param_shardings(config, placed["mesh"], params)
+
+
 def main(argv=None) -> int:
     """Serves until stopped: 0 after Ctrl-C / SIGTERM, 1 when the engine failed."""
     args = parse_args(argv)
@@ -172,6 +193,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     from glm5_jax.model.config import ConfigError
+    from glm5_jax.parallel.mesh import MeshError
     from glm5_jax.runs import RunNotFoundError, checkpoint_options, load_any
     from glm5_jax.serve.api import DEFAULT_MAX_BODY_BYTES, create_app
     from glm5_jax.serve.chat import load_chat_template, load_special_tokens
@@ -180,11 +202,14 @@ def main(argv=None) -> int:
 
     # quantize is passed only when asked for, so loading works with any load_any.
     load_options = {} if args.quantize is None else {"quantize": args.quantize}
+    placed = {}
+    if args.mesh:
+        load_options["shardings"] = functools.partial(mesh_shardings, args.mesh, placed)
     try:
         config, params, tokenizer = load_any(checkpoint, **load_options)
         options = checkpoint_options(checkpoint).replace(
             **{name: getattr(args, name) for name in EXECUTION_FLAGS if getattr(args, name) is not None})
-    except (RunNotFoundError, ConfigError) as exc:
+    except (RunNotFoundError, ConfigError, MeshError, ValueError) as exc:
         sys.exit(f"error: {exc}")
     if tokenizer is None:
         sys.exit(f"error: {checkpoint} has no tokenizer.json; the server needs it to read and write text")
@@ -194,15 +219,16 @@ def main(argv=None) -> int:
                     page_size=args.page_size, num_pages=args.num_pages, token_budget=args.token_budget,
                     prefix_caching=args.prefix_caching, host_cache_pages=args.host_cache_pages,
                     max_waiting=args.max_waiting or None, decode_steps=args.decode_steps, observer=metrics,
-                    options=options)
+                    options=options, mesh=placed.get("mesh"))
     app = create_app(engine, model_id, api_key=args.api_key, chat_template=load_chat_template(checkpoint),
                      special_tokens=load_special_tokens(checkpoint), server_config=server_config,
                      metrics=metrics, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     print("compiling the engine step...", flush=True)
     warm_up(engine)
     aliases = f" (aliases: {', '.join(server_config.model_aliases)})" if server_config.model_aliases else ""
+    on = f", mesh {args.mesh}" if args.mesh else ""
     print(f"serving {model_id!r}{aliases} from {checkpoint} at http://{args.host}:{args.port}/v1 "
-          f"(max_context {engine.max_context}, {args.max_slots} slots, metrics at /metrics)", flush=True)
+          f"(max_context {engine.max_context}, {args.max_slots} slots{on}, metrics at /metrics)", flush=True)
     # A short graceful shutdown: open streams are then cancelled, which frees their engine slots.
     # No lifespan: the app has no startup work, and the engine is shut down here.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

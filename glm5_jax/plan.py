@@ -34,6 +34,9 @@ def parse_args(argv):
     parser.add_argument("--serve", action="store_true", help="plan the serving decode step instead")
     parser.add_argument("--context", type=int, default=32768, help="serve: cache length per sequence")
     parser.add_argument("--page-size", type=int, default=64, help="serve: positions per cache page")
+    parser.add_argument("--quantize", default=None, metavar="RECIPE",
+                        help="serve: weights quantized with this recipe (e.g. fp8: 128x128 block scales), "
+                             "placed as serve.py --mesh places them")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a model field or an execution option (routed by name), e.g. "
                              "--set remat=full or --set num_layers=4 (repeatable)")
@@ -213,12 +216,13 @@ def _plan_train(args, config, options, mesh, rules) -> list[str]:
 
 
 def _plan_serve(args, config, options, mesh, rules) -> list[str]:
-    """The step serve.py runs at steady state: one paged decode step of `batch` sequences whose
-    block tables cover `context` positions, on a page pool holding all of them."""
+    """The step serve.py runs at steady state on this mesh (glm5_jax.serve.runner): one paged
+    decode step of `batch` sequences whose block tables cover `context` positions, on a page
+    pool holding all of them; weights placed by SERVING_RULES (optionally quantized), the pool
+    and the step's inputs replicated, as the runner places them."""
+    del rules  # serving has its own rules
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from glm5_jax.model.paged_decode import (
         DEFAULT_BLOCK_POSITIONS,
@@ -229,44 +233,45 @@ def _plan_serve(args, config, options, mesh, rules) -> list[str]:
     )
     from glm5_jax.model.transformer import param_shapes
     from glm5_jax.parallel import sharding
+    from glm5_jax.quant import load_recipe, quantize_params
 
+    rules = sharding.SERVING_RULES
     batch_rows = args.batch or mesh.size
     page_size = args.page_size
     block_pages = max(1, DEFAULT_BLOCK_POSITIONS // page_size)  # as the engine's runner
     table_width = -(-args.context // (page_size * block_pages)) * block_pages
     num_pages = batch_rows * table_width
-    params_sharding = sharding.param_shardings(config, mesh, rules)
+    params = param_shapes(config, options=options)
+    if args.quantize:
+        recipe = load_recipe(args.quantize)
+        params = jax.eval_shape(lambda p: quantize_params(p, recipe), params)
+    params_sharding = sharding.serving_param_shardings(config, mesh, params)
     params_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                             param_shapes(config, options=options), params_sharding)
+                             params, params_sharding)
     cache = jax.eval_shape(lambda: init_paged_cache(config, num_pages, page_size, options.compute_dtype))
-    batch_axes = sharding.logical_sharding(mesh, rules, ("batch",)).spec[0]
-    # [L * P, page, F] pools: pages spread over the batch axes like the sequences that own them.
-    cache_shardings = jax.tree.map(lambda leaf: NamedSharding(mesh, P(batch_axes)), cache)
-    cache_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            cache, cache_shardings)
-    rows = NamedSharding(mesh, P(batch_axes))
-    vector = jax.ShapeDtypeStruct((batch_rows,), jnp.int32, sharding=rows)
-    empty = jax.ShapeDtypeStruct((0, 0), jnp.int32, sharding=NamedSharding(mesh, P()))
-    tables = jax.ShapeDtypeStruct((batch_rows, table_width), jnp.int32, sharding=rows)
+    whole = sharding.replicated(mesh)
+    cache_shardings = jax.tree.map(lambda leaf: whole, cache)  # every device's heads read the latent
+    cache_in = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=whole), cache)
+    vector = jax.ShapeDtypeStruct((batch_rows,), jnp.int32, sharding=whole)
+    empty = jax.ShapeDtypeStruct((0, 0), jnp.int32, sharding=whole)
+    tables = jax.ShapeDtypeStruct((batch_rows, table_width), jnp.int32, sharding=whole)
     batch = StepBatch(vector, vector, empty, empty, tables)
     with sharding.activate(mesh, rules):
         step = getattr(paged_step, "__wrapped__", paged_step)
         jitted = jax.jit(step, static_argnums=0, static_argnames=("options", "block_pages"), donate_argnums=2)
         compiled = jitted.trace(config, params_in, cache_in, batch, vector, options=options,
                                 block_pages=block_pages).lower().compile()
-    params_bytes = sharding.bytes_per_device(param_shapes(config, options=options), params_sharding)
+    params_bytes = sharding.bytes_per_device(params, params_sharding)
     cache_bytes = sharding.bytes_per_device(cache, cache_shardings)
     per_token = paged_cache_bytes_per_page(config, page_size, options.compute_dtype) / page_size
+    weights = f"weights ({args.quantize or options.param_dtype})"
     lines = [f"paged decode step: {batch_rows} sequences x 1 new token, {args.context} cached positions each "
-             f"({num_pages} pages of {page_size}; {per_token / 1024:.1f} KiB per token)"]
-    lines += _memory_lines(compiled, {f"params ({options.param_dtype})": params_bytes,
-                                      "latent page pool": cache_bytes})
+             f"({num_pages} pages of {page_size}; {per_token / 1024:.1f} KiB per token, replicated)"]
+    lines += _memory_lines(compiled, {weights: params_bytes, "latent page pool": cache_bytes})
     lines += ["", "largest parameters per device:"]
-    for size, name, shape, dtype, spec in _largest(param_shapes(config, options=options), params_sharding,
-                                                   args.top):
+    for size, name, shape, dtype, spec in _largest(params, params_sharding, args.top):
         lines.append(f"  {_fmt(size)}  {name} {tuple(shape)} {dtype.name} -> {spec}")
     return lines, compiled
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -70,25 +70,32 @@ def checkpoint_options(path: str | os.PathLike) -> ExecutionOptions:
                            "an HF checkpoint directory (with config.json)")
 
 
-def load_any(path: str | os.PathLike, quantize: str | None = None):
+def load_any(path: str | os.PathLike, quantize: str | None = None, shardings=None):
     """A run directory or an HF checkpoint directory -> (ModelConfig, params, tokenizer or None).
 
     quantize: a recipe name (e.g. "fp8", "mixed"; see configs/quant/) or a recipe file path: the
     weights come back as glm5_jax.quant QuantizedTensors where the recipe says (FP8 checkpoints are
     dequantized first, then quantized by the recipe). None: the weights as stored (dequantized).
+    shardings: (ModelConfig, params=None) -> a pytree of shardings shaped like `params` (float
+    weights when None): an HF checkpoint loads straight into them, a run directory is restored
+    then placed, quantized weights are quantized shard by shard then placed.
     """
     path = Path(path)
     recipe = None if quantize is None else load_recipe(quantize)  # bad names fail before loading
     if is_run_directory(path):
         config, params = load_run(path)
+        if shardings is not None:
+            params = jax.device_put(params, shardings(config))
     elif (path / "config.json").exists():
-        config, params = load_pretrained(path)
+        config, params = load_pretrained(path, shardings=shardings)
     else:
         raise RunNotFoundError(
             f"{path} is neither a train.py run directory (with {CHECKPOINT_DIR}/) nor an HF "
             "checkpoint directory (with config.json)")
     if recipe is not None:
         params = quantize_params(params, recipe)
+        if shardings is not None:
+            params = jax.device_put(params, shardings(config, params))
     tokenizer_file = path / "tokenizer.json"
     tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None
     return config, params, tokenizer

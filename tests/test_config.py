@@ -47,6 +47,7 @@ def test_unknown_field_is_named(tiny_config):
     (dict(decode_attention_impl="x"), "decode_attention_impl"),
     (dict(expert_dispatch="gather"), "expert_dispatch"),
     (dict(expert_capacity_factor=0.5), "expert_capacity_factor"),
+    (dict(expert_dispatch="ragged_all_to_all", expert_capacity_factor=1.25), "dropless.*ragged_all_to_all"),
     (dict(pipeline_microbatches=-1), "pipeline_microbatches"), (dict(no_such_option=1), "no_such_option"),
 ])
 def test_invalid_execution_options_are_named(changes, field):

@@ -158,7 +158,7 @@ def _dequantize_fp8(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return values.astype(np.float32) * full[: values.shape[0], : values.shape[1]]
 
 
-def load_pretrained(path: str | os.PathLike, dtype=None, keep_fp8: bool = False):
+def load_pretrained(path: str | os.PathLike, dtype=None, keep_fp8: bool = False, shardings=None):
     """Loads an HF checkpoint directory -> (ModelConfig, params).
 
     dtype (e.g. "bfloat16", jnp.float32) overrides the checkpoint's dtype for the weights (the
@@ -169,6 +169,10 @@ def load_pretrained(path: str | os.PathLike, dtype=None, keep_fp8: bool = False)
     FP8 checkpoints (`weight` float8_e4m3fn + `weight_scale_inv` per 128x128 block) are
     dequantized to that dtype, or with keep_fp8 kept as glm5_jax.quant QuantizedTensors
     ("fp8" format; the model dequantizes them per layer).
+
+    shardings: a function ModelConfig -> a pytree of `jax.sharding.Sharding` shaped like the
+    params (e.g. glm5_jax.parallel.sharding.serving_param_shardings on a mesh): each weight goes
+    from its host buffer straight into its shards, never whole onto one device.
     """
     directory = Path(path)
     config = read_config(directory)
@@ -190,6 +194,11 @@ def load_pretrained(path: str | os.PathLike, dtype=None, keep_fp8: bool = False)
 
     # Host buffers of the final shapes; shared-indexer layers keep zeros (never used).
     buffers = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), param_shapes(config, options=options))
+    if shardings is not None and keep_fp8:
+        raise ValueError("load_pretrained: keep_fp8 and shardings together are not supported")
+    placements = {} if shardings is None else {
+        tuple(k.key for k in path): sharding
+        for path, sharding in jax.tree_util.tree_flatten_with_path(shardings(config))[0]}
     kept = _fp8_buffers(buffers, names, scaled) if keep_fp8 else {}
     by_file: dict[Path, list[TensorName]] = {}
     for name in names:
@@ -221,6 +230,8 @@ def load_pretrained(path: str | os.PathLike, dtype=None, keep_fp8: bool = False)
             _set(params, keys, QuantizedTensor(
                 jnp.asarray(values), jnp.asarray(scales), None, "fp8", host_shape[lead:lead + layout.in_ndim],
                 host_shape[lead + layout.in_ndim:], host.dtype.name))
+        elif keys in placements:
+            _set(params, keys, jax.device_put(host, placements[keys]))
         else:
             _set(params, keys, jnp.asarray(host))
         _set(buffers, keys, None)  # drop the host copy as soon as the device copy exists

@@ -20,6 +20,7 @@ from glm5_jax.model.layers import MLP, declare_weight, normal_init
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.expert import expert_mesh, routed_experts_sharded
 from glm5_jax.parallel.local import run_local
+from glm5_jax.quant.formats import is_quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +196,10 @@ def routed_experts(tokens: jax.Array, weights: jax.Array, experts: jax.Array, ga
     """
     mesh = expert_mesh()
     if mesh is not None:
+        # shard_map hands each device its slice, but a QuantizedTensor's static shapes are
+        # global: dequantize first (per layer, as every path does; GSPMD keeps it split).
+        gate_proj, up_proj, down_proj = (w.astype(tokens.dtype) if is_quantized(w) else w
+                                         for w in (gate_proj, up_proj, down_proj))
         return routed_experts_sharded(tokens, weights, experts, gate_proj, up_proj, down_proj, mesh=mesh,
                                       local_impl=ROUTED_EXPERTS[spec.impl],
                                       capacity_factor=spec.capacity_factor, dispatch=spec.dispatch)

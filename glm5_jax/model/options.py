@@ -105,6 +105,11 @@ class ExecutionOptions:
         value = self.expert_capacity_factor
         require(isinstance(value, (int, float)) and not isinstance(value, bool)
                 and (value == 0 or value >= 1), "expert_capacity_factor", "must be 0 (dropless) or >= 1")
+        # ragged_all_to_all writes each source's rows at fixed offsets of the receive buffer: a
+        # capacity-bounded buffer would be written past its end when copies overflow.
+        require(self.expert_dispatch != "ragged_all_to_all" or value == 0, "expert_capacity_factor",
+                "must be 0 (dropless) with expert_dispatch='ragged_all_to_all'; use 'all_to_all' to "
+                "bound the buffers with a capacity factor")
 
 
 EXECUTION_FIELDS = tuple(f.name for f in dataclasses.fields(ExecutionOptions))

@@ -12,6 +12,10 @@ Buffers have a fixed per-destination capacity C (rows one device may send to one
         dropped (they contribute nothing) and counted.
 `expert_dispatch="ragged_all_to_all"` sends exactly the routed rows instead (lax.ragged_all_to_all,
 GPU/TPU only; XLA:CPU does not implement it).
+
+When the tokens are not split over `expert` (serving: a step's few decode rows are replicated),
+nothing needs sending: each expert shard runs the token copies routed to its own experts and
+the partial outputs are summed over `expert` (one psum; dropless, whatever the capacity).
 """
 
 from __future__ import annotations
@@ -100,6 +104,23 @@ def _dispatch_all_to_all(x, weights, experts, gate_proj, up_proj, down_proj, *, 
     return y, jnp.sum(~kept)
 
 
+def _dispatch_replicated(x, weights, experts, gate_proj, up_proj, down_proj, *, shards, capacity_factor,
+                         local_impl, tensor_split):
+    """shard_map body for tokens every expert shard holds (replicated over `expert`). x: [T, D];
+    weights, experts: [T, K]; local expert weights as in _dispatch_all_to_all. Each shard runs
+    the copies routed to its experts; a psum over `expert` (and `tensor`) adds the shards' parts."""
+    del shards, capacity_factor  # nothing is sent, so nothing can overflow
+    num_tokens, top_k = experts.shape
+    local_count = gate_proj.shape[0]
+    local_ids = experts - jax.lax.axis_index(EXPERT_AXIS) * local_count
+    mine = (local_ids >= 0) & (local_ids < local_count)
+    out = _local_experts(jnp.repeat(x, top_k, axis=0), local_ids.reshape(-1), mine.reshape(-1), gate_proj,
+                         up_proj, down_proj, local_impl)  # [T*K, D]
+    y = jnp.einsum("TKD,TK->TD", out.reshape(num_tokens, top_k, -1), weights.astype(x.dtype))
+    y = jax.lax.psum(y, (EXPERT_AXIS, TENSOR_AXIS) if tensor_split else EXPERT_AXIS)
+    return y, jnp.zeros((), jnp.int32)
+
+
 def _dispatch_ragged(x, weights, experts, gate_proj, up_proj, down_proj, *, shards, capacity_factor,
                      local_impl, tensor_split):
     """Like _dispatch_all_to_all but sends exactly the routed rows with ragged_all_to_all.
@@ -157,7 +178,10 @@ def routed_experts_sharded(x, weights, experts, gate_proj, up_proj, down_proj, *
     tensor = TENSOR_AXIS if tensor_split else None
     in_specs = (tokens, tokens, tokens, P(EXPERT_AXIS, None, tensor), P(EXPERT_AXIS, None, tensor),
                 P(EXPERT_AXIS, tensor, None))
-    body = {"all_to_all": _dispatch_all_to_all, "ragged_all_to_all": _dispatch_ragged}[dispatch]
+    if EXPERT_AXIS not in _batch_axes(mesh):
+        body = _dispatch_replicated
+    else:
+        body = {"all_to_all": _dispatch_all_to_all, "ragged_all_to_all": _dispatch_ragged}[dispatch]
     body = functools.partial(body, shards=shards, capacity_factor=capacity_factor, local_impl=local_impl,
                              tensor_split=tensor_split)
     free_axes = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)

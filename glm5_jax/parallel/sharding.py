@@ -28,6 +28,7 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.transformer import param_logical_axes
 from glm5_jax.parallel.logical import AXIS_NAMES
 from glm5_jax.parallel.mesh import MESH_AXES
+from glm5_jax.quant.formats import QuantizedTensor
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -70,6 +71,12 @@ def make_rules(overrides: Mapping[str, str | Sequence[str] | None] | None = None
     return tuple(rules)
 
 
+# Serving: a step's tokens (a few decode rows, prefill chunks: counts no mesh axis divides) stay
+# whole on every device, while the weights split as in training (heads, mlp, vocab over tensor;
+# experts over expert).
+SERVING_RULES: Rules = make_rules({"batch": None})
+
+
 @contextlib.contextmanager
 def activate(mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES):
     """Within: activation constraints and the expert-parallel MoE see `mesh` and `rules`.
@@ -87,6 +94,30 @@ def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules =
     specs = param_logical_axes(config)
     return jax.tree.map(lambda spec: NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(spec), rules)),
                         specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def serving_param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, params=None):
+    """Shardings of served weights (SERVING_RULES), shaped like `params` (arrays or
+    ShapeDtypeStructs; None = float weights). A quantized weight (QuantizedTensor: values are
+    [leading..., in, out] matrices) splits its values over the mesh axes of the weight's leading
+    axes (layers, experts) and of its outermost contraction and output axes, so a split of the
+    flattened axis keeps whole heads or hidden units together; its scales follow the leading
+    axes and are otherwise whole (1/16384 of the values for 128x128 blocks)."""
+    weights = param_shardings(config, mesh, SERVING_RULES)
+    if params is None:
+        return weights
+
+    def place(sharding: NamedSharding, leaf):
+        if not isinstance(leaf, QuantizedTensor):
+            return sharding
+        spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
+        lead = leaf.values.ndim - 2
+        values = PartitionSpec(*spec[:lead], spec[lead], spec[lead + len(leaf.in_shape)])
+        leading = NamedSharding(mesh, PartitionSpec(*spec[:lead]))
+        return leaf.replace(values=NamedSharding(mesh, values), scales=leading,
+                            tensor_scale=None if leaf.tensor_scale is None else leading)
+
+    return jax.tree.map(place, weights, params)
 
 
 def optimizer_state_shardings(optimizer: optax.GradientTransformation, params_abstract,

@@ -125,14 +125,16 @@ class _Request:
 
 
 class Engine:
-    """Serves one model. Thread-safe `submit`; call it from the asyncio event loop."""
+    """Serves one model. Thread-safe `submit`; call it from the asyncio event loop. mesh: a
+    `jax.sharding.Mesh` to serve on (see ModelRunner), None for one device."""
 
     def __init__(self, config: ModelConfig, params, tokenizer: tokenizers.Tokenizer | None, *,
                  max_slots: int = 8, max_context: int = 1024, seed: int | None = None, page_size: int = 16,
                  num_pages: int | None = None, token_budget: int = 256, prefix_caching: bool = True,
                  host_cache_pages: int = 0, observer: EngineObserver | None = None,
                  max_waiting: int | None = None, decode_steps: int = DEFAULT_DECODE_STEPS, options=None,
-                 block_positions: int = DEFAULT_BLOCK_POSITIONS, max_consecutive_failures: int = 3):
+                 block_positions: int = DEFAULT_BLOCK_POSITIONS, max_consecutive_failures: int = 3,
+                 mesh=None):
         if max_slots < 1 or max_context < 2:
             raise ValueError(f"max_slots ({max_slots}) must be >= 1 and max_context ({max_context}) >= 2")
         if page_size < 1:
@@ -160,7 +162,7 @@ class Engine:
         self.observer = observer or EngineObserver()
         self.runner = ModelRunner(config, params, max_slots=max_slots, num_pages=num_pages,
                                   page_size=page_size, max_pages=self.max_pages, options=options,
-                                  block_positions=block_positions)
+                                  block_positions=block_positions, mesh=mesh)
         self._host_cache_pages = host_cache_pages
         self.scheduler = Scheduler(self._new_allocator(num_pages), max_slots=max_slots,
                                    max_context=self.max_context, page_size=page_size,

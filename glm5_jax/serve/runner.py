@@ -15,6 +15,7 @@ nothing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -31,6 +32,8 @@ from glm5_jax.model.paged_decode import (
     read_page,
     write_page,
 )
+from glm5_jax.parallel import constrain
+from glm5_jax.parallel.sharding import SERVING_RULES, activate, replicated, serving_param_shardings
 from glm5_jax.serve.sampling import SamplingState, init_sampling_state, sample, set_slot
 from glm5_jax.serve.types import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -73,6 +76,7 @@ def _sample_slots(logits, state: SamplingState, slots, mask, top_wanted):
     """Samples rows of logits [R, V] with the sampler state of `slots` [R]; only rows where
     mask [R] advance their slot's state (keys, counts). top_wanted: bool scalar, whether any row
     reports top alternatives."""
+    logits = constrain(logits, (None, None))  # on a mesh: whole rows (the vocab gathered) for the sampler
     tokens, logprobs, top_ids, top_logprobs, rows = sample(logits, _rows_of(state, slots), MAX_TOP_LOGPROBS,
                                                            top_wanted)
     return tokens, logprobs, top_ids, top_logprobs, _put_rows(state, rows, slots, mask)
@@ -130,11 +134,23 @@ def decode_loop(config: ModelConfig, params, cache, state: SamplingState, tokens
 
 
 class ModelRunner:
-    """Device state and programs of one served model (see the module docs)."""
+    """Device state and programs of one served model (see the module docs).
+
+    mesh: serve on a `jax.sharding.Mesh` (see glm5_jax.parallel.mesh): the weights (float or
+    quantized) split by their logical axes under SERVING_RULES (`serving_param_shardings`:
+    heads, MLP units and vocab over `tensor`, routed experts over `expert`); the step's tokens,
+    the page pool and the sampler state replicated (every tensor shard's heads read the whole
+    MLA latent); the sampler on gathered logits. Weights already placed that way (loaded
+    straight into their shardings) are not moved.
+    """
 
     def __init__(self, config: ModelConfig, params, *, max_slots: int, num_pages: int, page_size: int,
-                 max_pages: int, options=None, block_positions: int = DEFAULT_BLOCK_POSITIONS):
+                 max_pages: int, options=None, block_positions: int = DEFAULT_BLOCK_POSITIONS,
+                 mesh: jax.sharding.Mesh | None = None):
         self.config = config
+        self.mesh = mesh
+        if mesh is not None:
+            params = jax.device_put(params, serving_param_shardings(config, mesh, params))
         self.params = params
         self.options = options
         self.max_slots = max_slots
@@ -143,26 +159,38 @@ class ModelRunner:
         # Table width: whole streamed blocks, so the last block never reads past the table.
         self.table_width = -(-max_pages // self.block_pages) * self.block_pages
         self.num_pages = num_pages
-        self.cache = init_paged_cache(config, num_pages, page_size, options and options.compute_dtype)
-        self.sampling = init_sampling_state(max_slots, config.vocab_size)
+        self.cache = self._place(init_paged_cache(config, num_pages, page_size,
+                                                  options and options.compute_dtype))
+        self.sampling = self._place(init_sampling_state(max_slots, config.vocab_size))
+
+    def _place(self, tree):
+        return tree if self.mesh is None else jax.device_put(tree, replicated(self.mesh))
+
+    def _on_mesh(self):
+        """The context jitted programs are traced and run in (the mesh and its rules)."""
+        return contextlib.nullcontext() if self.mesh is None else activate(self.mesh, SERVING_RULES)
 
     # ------------------------------------------------------------------ sampler slots
     def set_slot(self, slot: int, params: SamplingParams, prompt_ids, seed: int) -> None:
-        self.sampling = set_slot(self.sampling, slot, params, prompt_ids, seed)
+        with self._on_mesh():
+            self.sampling = set_slot(self.sampling, slot, params, prompt_ids, seed)
 
     def read_slot(self, slot: int) -> SamplingState:
         """The slot's sampler state (parameters, key, counts), to restore after preemption."""
         return jax.tree.map(lambda a: a[slot], self.sampling)
 
     def write_slot(self, slot: int, row: SamplingState) -> None:
-        self.sampling = _write_slot(self.sampling, jnp.int32(slot), row)
+        with self._on_mesh():
+            self.sampling = _write_slot(self.sampling, jnp.int32(slot), row)
 
     # ------------------------------------------------------------------ pages
     def read_page(self, page: int):
-        return jax.tree.map(np.asarray, read_page(self.cache, jnp.int32(page), num_pages=self.num_pages))
+        with self._on_mesh():
+            return jax.tree.map(np.asarray, read_page(self.cache, jnp.int32(page), num_pages=self.num_pages))
 
     def write_page(self, page: int, data) -> None:
-        self.cache = write_page(self.cache, jnp.int32(page), data, num_pages=self.num_pages)
+        with self._on_mesh():
+            self.cache = write_page(self.cache, jnp.int32(page), data, num_pages=self.num_pages)
 
     def padding_batch(self, chunk_rows: int, chunk_len: int) -> StepBatch:
         """An all-padding mixed step (max_slots decode rows, a chunk geometry); fill in place."""
@@ -189,21 +217,22 @@ class ModelRunner:
     def mixed_step(self, batch: StepBatch, sample_rows: np.ndarray, slots: np.ndarray,
                    mask: np.ndarray, top_wanted: bool = True) -> Sampled:
         """One step; samples rows sample_rows [R] of the flat batch for `slots` [R] where mask."""
-        outputs, self.cache, self.sampling = _mixed_step(
-            self.config, self.params, self.cache, self.sampling, jax.tree.map(jnp.asarray, batch),
-            jnp.asarray(sample_rows), jnp.asarray(slots), jnp.asarray(mask), jnp.asarray(top_wanted),
-            options=self.options,
-            block_pages=self.block_pages)
+        with self._on_mesh():
+            outputs, self.cache, self.sampling = _mixed_step(
+                self.config, self.params, self.cache, self.sampling, jax.tree.map(jnp.asarray, batch),
+                jnp.asarray(sample_rows), jnp.asarray(slots), jnp.asarray(mask), jnp.asarray(top_wanted),
+                options=self.options, block_pages=self.block_pages)
         return Sampled(*(np.asarray(a) for a in outputs))
 
     def launch_decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int,
                       top_wanted: bool = True) -> DecodeCall:
         """Dispatches `decode_loop` and returns at once. tokens, positions, remaining may be host
         arrays or the device state of the previous call (`DecodeCall`), for a continuation."""
-        outputs, (tokens, positions, remaining), self.cache, self.sampling = decode_loop(
-            self.config, self.params, self.cache, self.sampling, *(jnp.asarray(a) for a in (
-                tokens, positions, tables, slots, remaining, stop_ids, top_wanted)),
-            options=self.options, block_pages=self.block_pages, steps=steps)
+        with self._on_mesh():
+            outputs, (tokens, positions, remaining), self.cache, self.sampling = decode_loop(
+                self.config, self.params, self.cache, self.sampling, *(jnp.asarray(a) for a in (
+                    tokens, positions, tables, slots, remaining, stop_ids, top_wanted)),
+                options=self.options, block_pages=self.block_pages, steps=steps)
         return DecodeCall(outputs, tokens, positions, remaining)
 
     @staticmethod
@@ -231,9 +260,9 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Fresh page pool and sampler state (after a failure destroyed them)."""
-        self.cache = init_paged_cache(self.config, self.num_pages, self.page_size,
-                                      self.options and self.options.compute_dtype)
-        self.sampling = init_sampling_state(self.max_slots, self.config.vocab_size)
+        self.cache = self._place(init_paged_cache(self.config, self.num_pages, self.page_size,
+                                                  self.options and self.options.compute_dtype))
+        self.sampling = self._place(init_sampling_state(self.max_slots, self.config.vocab_size))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
