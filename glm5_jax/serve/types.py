@@ -26,6 +26,26 @@ class EngineUnavailableError(Exception):
     engine.failure) says why. The API answers 503; serve.py exits so that a supervisor restarts it."""
 
 
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex")
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """Output constrained by a grammar (structured output, forced tool calls): every sampled
+    token keeps the output a prefix of a string the constraint accepts, and generation ends
+    (finish_reason "stop") once the whole constraint is matched.
+
+    kind: "json_object" (any JSON object; spec unused), "json_schema" (spec: the schema as a
+    JSON string) or "regex" (spec: a regular expression the whole constrained output matches).
+    after: the constraint starts after this text has been generated (e.g. "</think>": a
+    thinking block stays free); None = from the first generated token.
+    """
+
+    kind: str
+    spec: str = ""
+    after: str | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (OpenAI / vLLM semantics).
@@ -35,7 +55,11 @@ class SamplingParams:
     tokens seen in the prompt or the output; presence_penalty and frequency_penalty (OpenAI style)
     subtract from the logits of tokens already generated (once, and once per occurrence). seed
     makes sampling reproducible. logprobs: None for none, else how many top alternatives (0-20)
-    to return beside the chosen token's log probability.
+    to return beside the chosen token's log probability. prompt_logprobs: None for none, else
+    the prompt tokens' log probabilities (each given the tokens before it; the first is None)
+    with this many top alternatives, on the first event (`GenerationEvent.prompt_logprobs`);
+    with prompt_logprobs set, max_tokens may be 0 (score the prompt, generate nothing).
+    constraint: a `Constraint` on the output, or None.
     """
 
     max_tokens: int = 16
@@ -51,6 +75,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the first out-of-range parameter."""
@@ -59,8 +85,9 @@ class SamplingParams:
             if not condition:
                 raise InvalidRequestError(f"{name} {message}, got {getattr(self, name)!r}")
 
-        require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
-                "must be a positive integer")
+        least = 0 if self.prompt_logprobs is not None else 1
+        require(isinstance(self.max_tokens, int) and self.max_tokens >= least, "max_tokens",
+                "must be a positive integer (0 only when scoring the prompt)")
         require(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
         require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
@@ -74,6 +101,10 @@ class SamplingParams:
                 f"must be between 0 and {MAX_TOP_LOGPROBS}")
         require(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop",
                 "must be at most 16 non-empty strings")
+        require(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+                "prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}")
+        require(self.constraint is None or self.constraint.kind in CONSTRAINT_KINDS, "constraint",
+                f"kind must be one of {CONSTRAINT_KINDS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +116,9 @@ class GenerationEvent:
     (cancelled, or the server shutting down) or "error" (the request failed inside the engine, e.g.
     a model step raised: only the requests in that step fail; `error` then says why, for the log
     only, never for the client). cached_tokens: on the final event, how many prompt tokens were
-    served from the prefix cache (device or host) instead of recomputed.
+    served from the prefix cache (device or host) instead of recomputed. prompt_logprobs: on
+    the first event of a request that asked for them, one (log probability or None for the
+    first token, top alternatives ((token id, log probability), ...)) per prompt token.
     """
 
     token_id: int | None
@@ -94,3 +127,4 @@ class GenerationEvent:
     finish_reason: str | None = None
     cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: tuple[tuple[float | None, tuple[tuple[int, float], ...]], ...] | None = None
