@@ -39,6 +39,7 @@ import tokenizers
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.paged_decode import DEFAULT_BLOCK_POSITIONS
+from glm5_jax.serve.grammar import ConstrainedOutput, GrammarCompiler
 from glm5_jax.serve.observer import EngineObserver
 from glm5_jax.serve.paged_cache import PageAllocator
 from glm5_jax.serve.runner import MAX_STOP_IDS, DecodeCall, ModelRunner, Sampled
@@ -122,6 +123,8 @@ class _Request:
     seed: int
     saved_sampler: object = None  # the slot's sampler state when it was last preempted
     first_token_at: float | None = None
+    constrained: ConstrainedOutput | None = None  # the output constraint's state, if any
+    after_token: int | None = None  # the constraint's `after` text when it is a single token
 
 
 class Engine:
@@ -170,6 +173,7 @@ class Engine:
                                    decode_steps=decode_steps, prefix_caching=prefix_caching,
                                    max_waiting=max_waiting)
         self.failure: str | None = None
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._lock = threading.Lock()  # guards the scheduler's queue between submit and the engine thread
         self._tasks: list[tuple[callable, threading.Event]] = []  # run on the engine thread (warm-up)
         self._wakeup = threading.Event()
@@ -224,17 +228,30 @@ class Engine:
                 f"{self.max_context} tokens (prompt + output); shorten the prompt")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.config.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        constrained, after_token = self._constrain(params.constraint)
         stream = RequestStream(f"req-{next(self._ids)}", list(prompt_ids), params,
                                asyncio.get_running_loop())
         seed = params.seed if params.seed is not None else int(self._seed_source.integers(2**62))
         max_new = min(params.max_tokens, self.max_context - len(prompt_ids))
         sequence = Sequence(stream.request_id, list(prompt_ids), len(prompt_ids), max_new,
-                            payload=_Request(stream, seed))
+                            payload=_Request(stream, seed, constrained=constrained, after_token=after_token))
         with self._lock:
             self.scheduler.add(sequence)  # QueueFullError when full
         self.observer.on_queued(stream.request_id, len(prompt_ids))
         self._wakeup.set()
         return stream
+
+    def _constrain(self, constraint):
+        """(ConstrainedOutput or None, the `after` text's token id when it is one token)."""
+        if constraint is None:
+            return None, None
+        if self.tokenizer is None:
+            raise InvalidRequestError("constrained output needs the model's tokenizer")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        after = self.tokenizer.encode(constraint.after, add_special_tokens=False).ids \
+            if constraint.after else []
+        return self._grammars.start(constraint, self.tokenizer), after[0] if len(after) == 1 else None
 
     def warm_up(self, timeout: float = 600.0) -> None:
         """Compiles every step shape (decode row buckets, chunk geometries), sampler slot setup
@@ -277,7 +294,8 @@ class Engine:
                     self._drop_cancelled()
                     self._admit()
                     if in_flight is not None:
-                        following = None if self._tasks else self.scheduler.continue_decode(in_flight.plan)
+                        following = None if self._tasks or self._needs_host(in_flight.plan) else \
+                            self.scheduler.continue_decode(in_flight.plan)
                     else:
                         tasks, self._tasks = self._tasks, []
                         plan = self.scheduler.plan()
@@ -431,11 +449,32 @@ class Engine:
             inputs["tables"][row], inputs["slots"][row] = self.runner.table(sequence.pages), sequence.slot
             inputs["remaining"][row] = sequence.max_new - sequence.generated
             ids = self._stop_ids(sequence)
-            inputs["stop_ids"][row, :len(ids)] = ids
+            request = sequence.payload
+            if request.constrained is not None:
+                if request.constrained.active or request.after_token is None:
+                    # The next mask depends on this token (or the host must look for `after`).
+                    inputs["remaining"][row] = min(inputs["remaining"][row], 1)
+                else:  # free until the one-token `after`: the device pauses the row there
+                    ids = [request.after_token] + ids
+            inputs["stop_ids"][row, :len(ids)] = ids[:MAX_STOP_IDS]
         if after is not None:
             inputs.update(tokens=after.tokens, positions=after.positions, remaining=after.remaining)
         return self.runner.launch_decode(**inputs, steps=plan.steps,
-                                         top_wanted=self._top_wanted(plan.sequences))
+                                         top_wanted=self._top_wanted(plan.sequences),
+                                         allowed=self._allowed(plan.sequences, rows))
+
+    def _allowed(self, sequences, rows: int) -> np.ndarray:
+        """The token bitmask of each row's next token [rows, ceil(V/32)] (all set when free)."""
+        allowed = self.runner.free_bits(rows)
+        for row, sequence in enumerate(sequences):
+            if sequence is not None and sequence.payload.constrained is not None:
+                sequence.payload.constrained.fill(allowed[row])
+        return allowed
+
+    @staticmethod
+    def _needs_host(plan: DecodePlan) -> bool:
+        """A row's next call depends on this call's tokens as seen by the host (constraints)."""
+        return any(s.payload.constrained is not None for s in plan.sequences)
 
     def _complete_decode(self, in_flight: _InFlight) -> None:
         """Waits for a decode call's tokens and delivers them (a sequence that finished on the
@@ -475,7 +514,11 @@ class Engine:
             batch.block_tables[decode_rows + row] = self.runner.table(sequence.pages)
             if start + count == len(sequence.tokens):
                 sample_from(sequence, decode_rows + row * chunk_len + count - 1)
-        sampled = self.runner.mixed_step(batch, sample_rows, slots, mask, self._top_wanted(sampled_index))
+        by_index = [None] * self.max_slots
+        for sequence, index in sampled_index.items():
+            by_index[index] = sequence
+        sampled = self.runner.mixed_step(batch, sample_rows, slots, mask, self._top_wanted(sampled_index),
+                                         self._allowed(by_index, self.max_slots))
         with self._lock:
             for sequence in plan.decodes:
                 if sequence.slot is not None:
@@ -505,7 +548,9 @@ class Engine:
             alternatives = tuple((int(i), float(p)) for i, p in
                                  zip(top_ids[:params.logprobs], top_logprobs[:params.logprobs], strict=True))
         reason = None
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        complete = request.constrained is not None and request.constrained.advance(token)
+        stopping = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        if stopping or complete:
             reason = "stop"
         elif sequence.generated >= sequence.max_new:
             reason = "length"

@@ -34,6 +34,7 @@ from glm5_jax.model.paged_decode import (
 )
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.sharding import SERVING_RULES, activate, replicated, serving_param_shardings
+from glm5_jax.serve.grammar import ALL_ALLOWED, apply_allowed_bits, bitmask_words
 from glm5_jax.serve.sampling import SamplingState, init_sampling_state, sample, set_slot
 from glm5_jax.serve.types import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -72,11 +73,13 @@ def _put_rows(state: SamplingState, rows: SamplingState, slots, keep):
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _sample_slots(logits, state: SamplingState, slots, mask, top_wanted):
+def _sample_slots(logits, state: SamplingState, slots, mask, top_wanted, allowed):
     """Samples rows of logits [R, V] with the sampler state of `slots` [R]; only rows where
     mask [R] advance their slot's state (keys, counts). top_wanted: bool scalar, whether any row
-    reports top alternatives."""
+    reports top alternatives. allowed: [R, ceil(V/32)] int32 bitmask of the tokens each row may
+    sample (constrained decoding; all bits set = free)."""
     logits = constrain(logits, (None, None))  # on a mesh: whole rows (the vocab gathered) for the sampler
+    logits = apply_allowed_bits(logits, allowed)
     tokens, logprobs, top_ids, top_logprobs, rows = sample(logits, _rows_of(state, slots), MAX_TOP_LOGPROBS,
                                                            top_wanted)
     return tokens, logprobs, top_ids, top_logprobs, _put_rows(state, rows, slots, mask)
@@ -84,25 +87,27 @@ def _sample_slots(logits, state: SamplingState, slots, mask, top_wanted):
 
 @functools.partial(jax.jit, static_argnames=("config", "options", "block_pages"),
                    donate_argnames=("cache", "state"))
-def _mixed_step(config, params, cache, state, batch: StepBatch, sample_rows, slots, mask, top_wanted, *,
-                options, block_pages):
+def _mixed_step(config, params, cache, state, batch: StepBatch, sample_rows, slots, mask, top_wanted,
+                allowed, *, options, block_pages):
     logits, cache = paged_step(config, params, cache, batch, sample_rows, options=options,
                                block_pages=block_pages)
-    tokens, logprobs, top_ids, top_logprobs, state = _sample_slots(logits, state, slots, mask, top_wanted)
+    tokens, logprobs, top_ids, top_logprobs, state = _sample_slots(logits, state, slots, mask, top_wanted,
+                                                                   allowed)
     return (tokens, logprobs, top_ids, top_logprobs), cache, state
 
 
 @functools.partial(jax.jit, static_argnames=("config", "options", "block_pages", "steps"),
                    donate_argnames=("cache", "state"))
 def decode_loop(config: ModelConfig, params, cache, state: SamplingState, tokens, positions, tables, slots,
-                remaining, stop_ids, top_wanted, *, options, block_pages: int, steps: int):
+                remaining, stop_ids, top_wanted, allowed, *, options, block_pages: int, steps: int):
     """Up to `steps` decode steps on the device.
 
     tokens, positions, slots, remaining: [R] int32 (position -1 = padding row; remaining = tokens
     the row may still generate); tables: [R, W]; stop_ids: [R, MAX_STOP_IDS] (-1 = none), ids that
-    end a row (EOS included unless ignored). Returns (Sampled-like tuple of [steps, R] arrays with
-    token -1 after a row finished, (tokens, positions, remaining) after the last step, cache,
-    state). Stops early when every row has finished.
+    end a row (EOS included unless ignored); allowed: [R, ceil(V/32)] int32 token bitmask applied
+    at every step (a constrained row runs one step per call: remaining 1). Returns (Sampled-like
+    tuple of [steps, R] arrays with token -1 after a row finished, (tokens, positions,
+    remaining) after the last step, cache, state). Stops early when every row has finished.
     """
     rows = tokens.shape[0]
     empty_chunk = jnp.zeros((0, 0), jnp.int32)
@@ -116,7 +121,8 @@ def decode_loop(config: ModelConfig, params, cache, state: SamplingState, tokens
         batch = StepBatch(tokens, jnp.where(active, positions, -1), empty_chunk, empty_chunk, tables)
         logits, cache = paged_step(config, params, cache, batch, jnp.arange(rows), options=options,
                                    block_pages=block_pages)
-        new, logprobs, top_ids, top_logprobs, state = _sample_slots(logits, state, slots, active, top_wanted)
+        new, logprobs, top_ids, top_logprobs, state = _sample_slots(logits, state, slots, active, top_wanted,
+                                                                    allowed)
         new = jnp.where(active, new, -1)
         outputs = tuple(out.at[step].set(value) for out, value in
                         zip(outputs, (new, logprobs, top_ids, top_logprobs), strict=True))
@@ -214,24 +220,32 @@ class ModelRunner:
         return row
 
     # ------------------------------------------------------------------ steps
+    def free_bits(self, rows: int) -> np.ndarray:
+        """An all-allowed token bitmask [rows, ceil(V/32)] (fill constrained rows in place)."""
+        return np.full((rows, bitmask_words(self.config.vocab_size)), ALL_ALLOWED, np.int32)
+
     def mixed_step(self, batch: StepBatch, sample_rows: np.ndarray, slots: np.ndarray,
-                   mask: np.ndarray, top_wanted: bool = True) -> Sampled:
-        """One step; samples rows sample_rows [R] of the flat batch for `slots` [R] where mask."""
+                   mask: np.ndarray, top_wanted: bool = True, allowed: np.ndarray | None = None) -> Sampled:
+        """One step; samples rows sample_rows [R] of the flat batch for `slots` [R] where mask,
+        each from the tokens its row of `allowed` (a bitmask, None = all) permits."""
+        allowed = self.free_bits(len(sample_rows)) if allowed is None else allowed
         with self._on_mesh():
             outputs, self.cache, self.sampling = _mixed_step(
                 self.config, self.params, self.cache, self.sampling, jax.tree.map(jnp.asarray, batch),
                 jnp.asarray(sample_rows), jnp.asarray(slots), jnp.asarray(mask), jnp.asarray(top_wanted),
-                options=self.options, block_pages=self.block_pages)
+                jnp.asarray(allowed), options=self.options, block_pages=self.block_pages)
         return Sampled(*(np.asarray(a) for a in outputs))
 
     def launch_decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int,
-                      top_wanted: bool = True) -> DecodeCall:
+                      top_wanted: bool = True, allowed: np.ndarray | None = None) -> DecodeCall:
         """Dispatches `decode_loop` and returns at once. tokens, positions, remaining may be host
-        arrays or the device state of the previous call (`DecodeCall`), for a continuation."""
+        arrays or the device state of the previous call (`DecodeCall`), for a continuation.
+        allowed: token bitmask [R, ceil(V/32)] (None = all tokens)."""
+        allowed = self.free_bits(len(slots)) if allowed is None else allowed
         with self._on_mesh():
             outputs, (tokens, positions, remaining), self.cache, self.sampling = decode_loop(
                 self.config, self.params, self.cache, self.sampling, *(jnp.asarray(a) for a in (
-                    tokens, positions, tables, slots, remaining, stop_ids, top_wanted)),
+                    tokens, positions, tables, slots, remaining, stop_ids, top_wanted, allowed)),
                 options=self.options, block_pages=self.block_pages, steps=steps)
         return DecodeCall(outputs, tokens, positions, remaining)
 
@@ -241,10 +255,10 @@ class ModelRunner:
         return Sampled(*(np.asarray(a) for a in call.outputs))
 
     def decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int,
-               top_wanted: bool = True) -> Sampled:
+               top_wanted: bool = True, allowed: np.ndarray | None = None) -> Sampled:
         """`decode_loop` on host arrays, waited for; returns [steps, R] host arrays."""
         return self.fetch(self.launch_decode(tokens, positions, tables, slots, remaining, stop_ids, steps,
-                                             top_wanted))
+                                             top_wanted, allowed))
 
     def cache_lost(self) -> bool:
         """True when a failed step consumed (donated) the page pool or the sampler state, or left
