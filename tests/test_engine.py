@@ -5,6 +5,7 @@ and prefix-cache hits (on the device or reloaded from host memory) give the same
 
 import asyncio
 
+import jax
 import numpy as np
 import pytest
 from reference import greedy_chain, perturbed_params
@@ -321,3 +322,28 @@ def test_bounded_waiting_queue(model):
 
     with pytest.raises(QueueFullError, match="waiting queue is full"):
         asyncio.run(two())
+
+
+def test_prompt_logprobs_equal_forward(model, engine):
+    """Prompt scoring (echo + logprobs): every prompt token's log-probability given the tokens
+    before it equals `forward`'s, across chunked prefill; max_tokens 0 scores without
+    generating; a repeated prompt is scored again in full (no prefix-cache hit skips it)."""
+    import glm5_jax
+
+    config, params = model
+    prompt = np.random.default_rng(9).integers(2, 200, 30).tolist()  # two chunks of the 16-token budget
+    ids = np.zeros((1, MAX_CONTEXT), np.int32)  # greedy_chain's padded shape: one compilation
+    ids[0, :len(prompt)] = prompt
+    logprobs = np.asarray(jax.nn.log_softmax(glm5_jax.forward(config, params, ids)[0, :len(prompt) - 1]))
+    want = logprobs[np.arange(len(prompt) - 1), prompt[1:]]
+    for max_tokens in (0, 2, 0):
+        events = asyncio.run(collect_events(engine, prompt, SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, prompt_logprobs=2, ignore_eos=True)))
+        scores = events[0].prompt_logprobs
+        assert len(scores) == len(prompt) and scores[0] == (None, ())
+        np.testing.assert_allclose([s[0] for s in scores[1:]], want, atol=2e-4)
+        assert [s[1][0][0] for s in scores[1:]] == np.argmax(logprobs, axis=-1).tolist()
+        assert all(len(s[1]) == 2 for s in scores[1:])
+        assert len(events) == max(max_tokens, 1) and events[-1].finish_reason == "length"
+        assert all(e.prompt_logprobs is None for e in events[1:])
+    assert events[0].token_id is None

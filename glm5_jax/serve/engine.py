@@ -124,6 +124,8 @@ class _Request:
     saved_sampler: object = None  # the slot's sampler state when it was last preempted
     first_token_at: float | None = None
     constrained: ConstrainedOutput | None = None  # the output constraint's state, if any
+    # Prompt log-probabilities by position (1..n-1) as the prefill computes them, until delivered.
+    prompt_scores: dict[int, tuple[float, tuple[tuple[int, float], ...]]] | None = None
     after_token: int | None = None  # the constraint's `after` text when it is a single token
 
 
@@ -233,8 +235,11 @@ class Engine:
                                asyncio.get_running_loop())
         seed = params.seed if params.seed is not None else int(self._seed_source.integers(2**62))
         max_new = min(params.max_tokens, self.max_context - len(prompt_ids))
+        scoring = params.prompt_logprobs is not None
         sequence = Sequence(stream.request_id, list(prompt_ids), len(prompt_ids), max_new,
-                            payload=_Request(stream, seed, constrained=constrained, after_token=after_token))
+                            prefix_hits=not scoring,  # cached positions would have no scores
+                            payload=_Request(stream, seed, constrained=constrained, after_token=after_token,
+                                             prompt_scores={} if scoring else None))
         with self._lock:
             self.scheduler.add(sequence)  # QueueFullError when full
         self.observer.on_queued(stream.request_id, len(prompt_ids))
@@ -507,31 +512,62 @@ class Engine:
             batch.decode_tokens[row], batch.decode_positions[row] = sequence.tokens[-1], sequence.computed
             batch.block_tables[row] = self.runner.table(sequence.pages)
             sample_from(sequence, row)
+        targets = None  # next-token ids of the chunk tokens, when a chunk's prompt is scored
         for row, (sequence, count) in enumerate(plan.chunks):
             start = sequence.computed
             batch.chunk_tokens[row, :count] = sequence.tokens[start:start + count]
             batch.chunk_positions[row, :count] = np.arange(start, start + count)
             batch.block_tables[decode_rows + row] = self.runner.table(sequence.pages)
-            if start + count == len(sequence.tokens):
+            if start + count == len(sequence.tokens) and sequence.max_new > 0:
                 sample_from(sequence, decode_rows + row * chunk_len + count - 1)
+            if sequence.payload.prompt_scores is not None:
+                targets = np.full(batch.chunk_tokens.size, -1, np.int32) if targets is None else targets
+                end = min(start + count, sequence.prompt_tokens - 1)  # positions with a next prompt token
+                first = row * chunk_len
+                targets[first:first + max(0, end - start)] = sequence.tokens[start + 1:end + 1]
         by_index = [None] * self.max_slots
         for sequence, index in sampled_index.items():
             by_index[index] = sequence
-        sampled = self.runner.mixed_step(batch, sample_rows, slots, mask, self._top_wanted(sampled_index),
-                                         self._allowed(by_index, self.max_slots))
+        sampled, scored = self.runner.mixed_step(batch, sample_rows, slots, mask,
+                                                 self._top_wanted(sampled_index),
+                                                 self._allowed(by_index, self.max_slots), targets)
         with self._lock:
             for sequence in plan.decodes:
                 if sequence.slot is not None:
                     self.scheduler.computed(sequence, 1)
                     self._emit(sequence, int(sampled.tokens[sampled_index[sequence]]), sampled,
                                sampled_index[sequence])
-            for sequence, count in plan.chunks:
+            for row, (sequence, count) in enumerate(plan.chunks):
                 if sequence.slot is None:
                     continue
+                if scored is not None and sequence.payload.prompt_scores is not None:
+                    self._keep_scores(sequence, scored, row * chunk_len, count)
                 self.scheduler.computed(sequence, count)
                 if sequence in sampled_index:
                     index = sampled_index[sequence]
                     self._emit(sequence, int(sampled.tokens[index]), sampled, index)
+                elif sequence.pending == 0:  # max_tokens 0: the prompt is scored, nothing to generate
+                    self._finish(sequence, GenerationEvent(None, finish_reason="length",
+                                                           prompt_logprobs=self._prompt_logprobs(sequence)))
+
+    def _keep_scores(self, sequence: Sequence, scored, first: int, count: int) -> None:
+        """Records the scores of the chunk tokens at flat rows first.. (position p scores p + 1)."""
+        request, top = sequence.payload, sequence.payload.stream.params.prompt_logprobs
+        start = sequence.computed
+        for i in range(min(count, sequence.prompt_tokens - 1 - start)):
+            flat = first + i
+            pairs = zip(scored.top_ids[flat, :top], scored.top_logprobs[flat, :top], strict=True)
+            alternatives = tuple((int(t), float(lp)) for t, lp in pairs)
+            request.prompt_scores[start + i + 1] = (float(scored.logprobs[flat]), alternatives)
+
+    @staticmethod
+    def _prompt_logprobs(sequence: Sequence):
+        """The prompt log-probabilities to deliver (once), or None."""
+        request = sequence.payload
+        scores, request.prompt_scores = request.prompt_scores, None
+        if scores is None:
+            return None
+        return ((None, ()),) + tuple(scores[p] for p in range(1, sequence.prompt_tokens))
 
     def _emit(self, sequence: Sequence, token: int, sampled: Sampled, index) -> None:
         request = sequence.payload
@@ -555,7 +591,8 @@ class Engine:
         elif sequence.generated >= sequence.max_new:
             reason = "length"
         logprob = float(sampled.logprobs[index]) if params.logprobs is not None else None
-        event = GenerationEvent(token, logprob, alternatives, reason)
+        event = GenerationEvent(token, logprob, alternatives, reason,
+                                prompt_logprobs=self._prompt_logprobs(sequence))
         if reason is None:
             request.stream._deliver(event)
         else:

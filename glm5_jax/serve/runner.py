@@ -52,6 +52,15 @@ class DecodeCall(NamedTuple):
     remaining: jax.Array
 
 
+class Scored(NamedTuple):
+    """Host copies of a step's prompt scores, per chunk token: logprobs [T] of its target
+    (the next prompt token), top_ids / top_logprobs [T, MAX_TOP_LOGPROBS]."""
+
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
 class Sampled(NamedTuple):
     """Host copies of sampled tokens. tokens [..., R] int32 (-1 = none), logprobs [..., R],
     top_ids / top_logprobs [..., R, MAX_TOP_LOGPROBS]."""
@@ -85,15 +94,31 @@ def _sample_slots(logits, state: SamplingState, slots, mask, top_wanted, allowed
     return tokens, logprobs, top_ids, top_logprobs, _put_rows(state, rows, slots, mask)
 
 
+def _score(logits, targets):
+    """Prompt scoring: logits [T, V], targets [T] int32 (-1 = none) -> (log-probability of each
+    target [T], top alternatives' ids and log-probabilities [T, MAX_TOP_LOGPROBS])."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
+    return chosen, top_ids.astype(jnp.int32), top_logprobs
+
+
 @functools.partial(jax.jit, static_argnames=("config", "options", "block_pages"),
                    donate_argnames=("cache", "state"))
 def _mixed_step(config, params, cache, state, batch: StepBatch, sample_rows, slots, mask, top_wanted,
-                allowed, *, options, block_pages):
-    logits, cache = paged_step(config, params, cache, batch, sample_rows, options=options,
-                               block_pages=block_pages)
-    tokens, logprobs, top_ids, top_logprobs, state = _sample_slots(logits, state, slots, mask, top_wanted,
-                                                                   allowed)
-    return (tokens, logprobs, top_ids, top_logprobs), cache, state
+                allowed, targets, *, options, block_pages):
+    """One step. targets: None, or [Gc * Qc] int32 next-token ids of the chunk tokens (-1 =
+    none) to score every chunk token's logits against (prompt log-probabilities)."""
+    rows = sample_rows
+    if targets is not None:
+        chunk_rows = batch.decode_tokens.shape[0] + jnp.arange(targets.shape[0], dtype=jnp.int32)
+        rows = jnp.concatenate([sample_rows, chunk_rows])
+    logits, cache = paged_step(config, params, cache, batch, rows, options=options, block_pages=block_pages)
+    sampled = sample_rows.shape[0]
+    tokens, logprobs, top_ids, top_logprobs, state = _sample_slots(logits[:sampled], state, slots, mask,
+                                                                   top_wanted, allowed)
+    scores = None if targets is None else _score(logits[sampled:], targets)
+    return (tokens, logprobs, top_ids, top_logprobs), scores, cache, state
 
 
 @functools.partial(jax.jit, static_argnames=("config", "options", "block_pages", "steps"),
@@ -225,16 +250,21 @@ class ModelRunner:
         return np.full((rows, bitmask_words(self.config.vocab_size)), ALL_ALLOWED, np.int32)
 
     def mixed_step(self, batch: StepBatch, sample_rows: np.ndarray, slots: np.ndarray,
-                   mask: np.ndarray, top_wanted: bool = True, allowed: np.ndarray | None = None) -> Sampled:
+                   mask: np.ndarray, top_wanted: bool = True, allowed: np.ndarray | None = None,
+                   targets: np.ndarray | None = None) -> tuple[Sampled, Scored | None]:
         """One step; samples rows sample_rows [R] of the flat batch for `slots` [R] where mask,
-        each from the tokens its row of `allowed` (a bitmask, None = all) permits."""
+        each from the tokens its row of `allowed` (a bitmask, None = all) permits. With targets
+        [Gc * Qc] (next-token ids of the chunk tokens, -1 = none) the chunk tokens are scored
+        too (a separate compiled step, used only for prompt log-probabilities)."""
         allowed = self.free_bits(len(sample_rows)) if allowed is None else allowed
         with self._on_mesh():
-            outputs, self.cache, self.sampling = _mixed_step(
+            outputs, scores, self.cache, self.sampling = _mixed_step(
                 self.config, self.params, self.cache, self.sampling, jax.tree.map(jnp.asarray, batch),
                 jnp.asarray(sample_rows), jnp.asarray(slots), jnp.asarray(mask), jnp.asarray(top_wanted),
-                jnp.asarray(allowed), options=self.options, block_pages=self.block_pages)
-        return Sampled(*(np.asarray(a) for a in outputs))
+                jnp.asarray(allowed), None if targets is None else jnp.asarray(targets),
+                options=self.options, block_pages=self.block_pages)
+        scored = None if scores is None else Scored(*(np.asarray(a) for a in scores))
+        return Sampled(*(np.asarray(a) for a in outputs)), scored
 
     def launch_decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int,
                       top_wanted: bool = True, allowed: np.ndarray | None = None) -> DecodeCall:

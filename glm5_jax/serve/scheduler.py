@@ -40,6 +40,7 @@ class Sequence:
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # of pages[:len(hashes)]
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first admission)
     preempted: bool = False  # it has been preempted at least once (its sampler state is saved)
+    prefix_hits: bool = True  # False: compute the whole prompt (its every position is scored)
     payload: object = None  # the engine's per-request data (stream, saved sampler state)
 
     @property
@@ -140,7 +141,7 @@ class Scheduler:
     def _try_admit(self, sequence: Sequence) -> bool:
         tokens = sequence.tokens
         pages, keys = [], []
-        if self.prefix_caching:
+        if self.prefix_caching and sequence.prefix_hits:
             # At most (len - 1) // page pages: the last token is always computed (its logits sample).
             keys = page_hashes(tokens, self.page_size, (len(tokens) - 1) // self.page_size)
             pages, _ = self.pages.match(keys)
