@@ -7,7 +7,8 @@
     mla_decode.py          MLA attention over a paged latent cache (block table, optional top-k)
     ragged_paged_attention.py  MLA attention of a ragged token batch (decode + prefill chunks) over pages
     moe_grouped_matmul.py  grouped matmul over expert-sorted rows, forward and backward
+    fp8_matmul.py          weight-only FP8 (128x128 block-scaled) matmul, tiles dequantized in-kernel
 
-The model selects them per op (ModelConfig.attention_impl, indexer_impl, decode_attention_impl,
-moe_impl="pallas"); see docs/kernels.md.
+The model selects them per op (ExecutionOptions.attention_impl, indexer_impl, decode_attention_impl,
+moe_impl="pallas", quantized_matmul="pallas"); see docs/kernels.md.
 """

@@ -7,6 +7,8 @@ E experts, K top-k, F feed-forward hidden units, V vocabulary, L layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -84,9 +86,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def swiglu_mlp(x: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
-               down_proj: jax.Array) -> jax.Array:
-    """down(silu(x gate) * (x up)). x: [..., D]; gate/up: [D, F]; down: [F, D] -> [..., D]."""
+               down_proj: jax.Array, matmul: Callable | None = None) -> jax.Array:
+    """down(silu(x gate) * (x up)). x: [..., D]; gate/up: [D, F]; down: [F, D] -> [..., D].
+
+    matmul(x, weight) -> x . weight in x's dtype, for weights that stay quantized (the serving
+    step passes glm5_jax.quant.matmul.linear); default: cast the weight, then einsum."""
     dtype = x.dtype
+    if matmul is not None:
+        return matmul(jax.nn.silu(matmul(x, gate_proj)) * matmul(x, up_proj), down_proj)
     gate = jnp.einsum("...D,DF->...F", x, gate_proj.astype(dtype))
     up = jnp.einsum("...D,DF->...F", x, up_proj.astype(dtype))
     return jnp.einsum("...F,FD->...D", jax.nn.silu(gate) * up, down_proj.astype(dtype))

@@ -21,6 +21,7 @@ from glm5_jax.parallel import constrain
 from glm5_jax.parallel.expert import expert_mesh, routed_experts_sharded
 from glm5_jax.parallel.local import run_local
 from glm5_jax.quant.formats import is_quantized
+from glm5_jax.quant.matmul import expert_linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,8 @@ class MoESpec:
     # Expert parallelism (active when the context mesh has an `expert` axis > 1).
     dispatch: str = "all_to_all"
     capacity_factor: float = 0.0  # 0 = dropless
+    # How the gathered path multiplies by "fp8" expert weights (glm5_jax.quant.matmul.IMPLS).
+    quantized_matmul: str = "dequantize"
 
 
 def route(x: jax.Array, router: jax.Array, selection_bias: jax.Array, spec: MoESpec):
@@ -166,17 +169,19 @@ def routed_experts_pallas(x: jax.Array, weights: jax.Array, experts: jax.Array, 
 
 
 def routed_experts_gathered(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
-                            up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+                            up_proj: jax.Array, down_proj: jax.Array, impl: str = "dequantize") -> jax.Array:
     """Each token through its own K experts, their weights gathered per token.
 
     Same shapes and result as `routed_experts_ragged`. Reads T*K expert matrices: the cheapest
     path when that is below the expert count (decoding a few sequences), where the others read
-    (or copy) every expert's weights.
+    (or copy) every expert's weights. impl (glm5_jax.quant.matmul): with "native" or "pallas"
+    "fp8" expert stacks are read for the chosen experts only (values and block scales), never
+    dequantized whole; "dequantize" dequantizes every expert first.
     """
     dtype = x.dtype
-    gate = jnp.einsum("TD,TKDF->TKF", x, gate_proj.astype(dtype)[experts])
-    up = jnp.einsum("TD,TKDF->TKF", x, up_proj.astype(dtype)[experts])
-    out = jnp.einsum("TKF,TKFD->TKD", jax.nn.silu(gate) * up, down_proj.astype(dtype)[experts])
+    gate = expert_linear(x[:, None], gate_proj, experts, impl, dtype)  # [T, K, F]
+    up = expert_linear(x[:, None], up_proj, experts, impl, dtype)
+    out = expert_linear(jax.nn.silu(gate) * up, down_proj, experts, impl, dtype)  # [T, K, D]
     return jnp.einsum("TK,TKD->TD", weights.astype(dtype), out)
 
 
@@ -204,7 +209,8 @@ def routed_experts(tokens: jax.Array, weights: jax.Array, experts: jax.Array, ga
                                       local_impl=ROUTED_EXPERTS[spec.impl],
                                       capacity_factor=spec.capacity_factor, dispatch=spec.dispatch)
     if experts.shape[0] * experts.shape[1] <= gate_proj.shape[0]:
-        return routed_experts_gathered(tokens, weights, experts, gate_proj, up_proj, down_proj), None
+        return routed_experts_gathered(tokens, weights, experts, gate_proj, up_proj, down_proj,
+                                       spec.quantized_matmul), None
     if spec.impl == "pallas":  # per device on its own tokens, whole experts
         rows, whole = ("batch", None), (None, None, None)
         return run_local(routed_experts_pallas, (tokens, weights, experts, gate_proj, up_proj, down_proj),

@@ -21,6 +21,7 @@ REMAT_POLICIES = ("none", "full", "save_matmuls")
 MOE_IMPLS = ("ragged", "blocked", "dense", "pallas")
 KERNEL_IMPLS = ("reference", "pallas")
 EXPERT_DISPATCHES = ("all_to_all", "ragged_all_to_all")
+QUANTIZED_MATMUL_IMPLS = ("dequantize", "native", "pallas")  # glm5_jax.quant.matmul.IMPLS
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -46,6 +47,12 @@ class ExecutionOptions:
     attention_impl: str = "reference"
     indexer_impl: str = "reference"
     decode_attention_impl: str = "reference"
+    # How the serving step (paged_step) multiplies by "fp8" QuantizedTensor weights (see
+    # glm5_jax.quant.matmul): "dequantize" (a float copy of each weight per layer, then the
+    # einsum: every backend), "native" (XLA float8 x float8 dots, activations quantized per 1x128
+    # tile: FP8 tensor cores) or "pallas" (kernels_pallas.fp8_matmul, tiles dequantized inside the
+    # kernel). int8 / nvfp4 weights are always dequantized; training and `forward` always dequantize.
+    quantized_matmul: str = "dequantize"
     # Expert parallelism (used when the mesh has an expert axis > 1): tokens travel to the devices
     # owning their experts with "all_to_all" (fixed-size buffers, every backend) or
     # "ragged_all_to_all" (GPU/TPU only). Per-device buffer capacity = factor * average load;
@@ -97,6 +104,8 @@ class ExecutionOptions:
         require(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
         for field in ("attention_impl", "indexer_impl", "decode_attention_impl"):
             require(getattr(self, field) in KERNEL_IMPLS, field, f"must be one of {KERNEL_IMPLS}")
+        require(self.quantized_matmul in QUANTIZED_MATMUL_IMPLS, "quantized_matmul",
+                f"must be one of {QUANTIZED_MATMUL_IMPLS}")
         require(self.expert_dispatch in EXPERT_DISPATCHES, "expert_dispatch",
                 f"must be one of {EXPERT_DISPATCHES}")
         value = self.pipeline_microbatches

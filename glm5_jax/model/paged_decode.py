@@ -44,10 +44,10 @@ import jax.numpy as jnp
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.dsa import index_head_weights, indexer_keys, indexer_queries
 from glm5_jax.model.layers import apply_rope, rms_norm, rope_angles, swiglu_mlp
-from glm5_jax.model.mla import kv_latent, query_path
 from glm5_jax.model.moe import route, routed_experts
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.transformer import moe_spec
+from glm5_jax.quant.matmul import head_inputs, head_outputs, linear
 
 DEFAULT_BLOCK_POSITIONS = 128  # cache positions streamed per attention / indexer block
 
@@ -93,11 +93,15 @@ class _Projected(NamedTuple):
     sin: jax.Array
 
 
-def _project(config: ModelConfig, w, x, positions) -> _Projected:
-    q_latent, q_nope, q_rope = query_path(x, w["q_a_proj"], w["q_a_norm"], w["q_b_proj"],
-                                          config.latent_norm_eps, config.qk_nope_head_dim)
-    latent, k_rope = kv_latent(x, w["kv_a_proj"], w["kv_a_norm"], config.kv_lora_rank,
-                               config.latent_norm_eps)
+def _project(config: ModelConfig, w, x, positions, matmul) -> _Projected:
+    """mla.query_path and mla.kv_latent with each weight product through `matmul` (the step's
+    glm5_jax.quant.matmul.linear: quantized weights may stay quantized)."""
+    eps, nope_dim, rank = config.latent_norm_eps, config.qk_nope_head_dim, config.kv_lora_rank
+    q_latent = rms_norm(matmul(x, w["q_a_proj"]), w["q_a_norm"], eps)
+    query = matmul(q_latent, w["q_b_proj"])  # [S, C, N, nope + rope]
+    q_nope, q_rope = query[..., :nope_dim], query[..., nope_dim:]
+    compressed = matmul(x, w["kv_a_proj"])  # [S, C, Rkv + rope]
+    latent, k_rope = rms_norm(compressed[..., :rank], w["kv_a_norm"], eps), compressed[..., rank:]
     cos, sin = rope_angles(positions, config.qk_rope_head_dim, config.rope_theta)
     return _Projected(q_latent, q_nope, apply_rope(q_rope, cos, sin), latent,
                       apply_rope(k_rope, cos, sin), cos, sin)
@@ -105,9 +109,10 @@ def _project(config: ModelConfig, w, x, positions) -> _Projected:
 
 def _feed_forward(config: ModelConfig, options: ExecutionOptions, layer, x, ffn: str):
     """x: [S, C, D] normalised -> [S, C, D]."""
+    matmul = functools.partial(linear, impl=options.quantized_matmul, dtype=x.dtype)
     if ffn == "dense":
         mlp = layer["mlp"]
-        return swiglu_mlp(x, mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
+        return swiglu_mlp(x, mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"], matmul)
     moe, spec = layer["moe"], moe_spec(config, options)
     tokens = x.reshape(-1, x.shape[-1])
     weights, experts, _ = route(tokens, moe["router"], moe["router_bias"], spec)
@@ -115,7 +120,7 @@ def _feed_forward(config: ModelConfig, options: ExecutionOptions, layer, x, ffn:
     y = y.reshape(x.shape)
     if config.num_shared_experts:
         shared = moe["shared_experts"]
-        y = y + swiglu_mlp(x, shared["gate_proj"], shared["up_proj"], shared["down_proj"])
+        y = y + swiglu_mlp(x, shared["gate_proj"], shared["up_proj"], shared["down_proj"], matmul)
     return y
 
 
@@ -398,12 +403,14 @@ def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows
             group_tables = [tables[g.table_start:g.table_start + g.rows] + offset for g in groups]
             normed = rms_norm(x, layer["input_norm"]["scale"], config.rms_norm_eps)
             weights = layer["attention"]
-            w = {name: value.astype(dtype) for name, value in weights.items() if name != "indexer"}
-            p = _project(config, w, normed, positions[:, None])
+            # Weights are cast per product (glm5_jax.quant.matmul): quantized ones may stay so.
+            w, impl = weights, options.quantized_matmul
+            p = _project(config, w, normed, positions[:, None],
+                         functools.partial(linear, impl=impl, dtype=dtype))
             layer_cache = dict(layer_cache)
             layer_cache["latent"] = _write_pages(layer_cache["latent"], p.latent[:, 0], write_index, row)
             layer_cache["k_rope"] = _write_pages(layer_cache["k_rope"], p.k_rope[:, 0], write_index, row)
-            q_absorbed = jnp.einsum("BTNH,RNH->BTNR", p.q_nope, w["kv_b_proj"][..., :nope_dim])[:, 0]
+            q_absorbed = head_inputs(p.q_nope, w["kv_b_proj"], 0, nope_dim, impl, dtype)[:, 0]  # [T, N, R]
             q_rope = p.q_rope[:, 0]
 
             selected = previous
@@ -447,8 +454,8 @@ def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows
             else:
                 context = jax.lax.cond(sliding_flag, window_context, dsa_context)
             context = context.astype(dtype)[:, None]  # [T, 1, N, R]
-            out = jnp.einsum("BTNR,RNH->BTNH", context, w["kv_b_proj"][..., nope_dim:])
-            x = x + jnp.einsum("BTNH,NHD->BTD", out, w["o_proj"])
+            out = head_outputs(context, w["kv_b_proj"], nope_dim, w["kv_b_proj"].shape[-1], impl, dtype)
+            x = x + linear(out, w["o_proj"], impl, dtype, in_ndim=2)
             normed = rms_norm(x, layer["post_attention_norm"]["scale"], config.rms_norm_eps)
             x = x + _feed_forward(config, options, layer, normed, ffn)
             return (x, selected, layer_cache), None

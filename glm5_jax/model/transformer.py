@@ -50,7 +50,8 @@ def moe_spec(config: ModelConfig, options: ExecutionOptions) -> MoESpec:
         normalize_topk_weights=config.normalize_topk_weights,
         routed_scaling_factor=config.routed_scaling_factor,
         initializer_range=config.initializer_range, impl=options.moe_impl,
-        dispatch=options.expert_dispatch, capacity_factor=options.expert_capacity_factor)
+        dispatch=options.expert_dispatch, capacity_factor=options.expert_capacity_factor,
+        quantized_matmul=options.quantized_matmul)
 
 
 class DecoderLayer(nn.Module):

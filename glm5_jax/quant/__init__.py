@@ -2,6 +2,7 @@
 
     params = quantize_params(params, "mixed")    # QuantizedTensor leaves where the recipe says
     forward(config, params, ids)                 # layers dequantize per layer (declare_weight)
+    linear(x, params_layer["q_a_proj"], "pallas")  # the serving step: fp8 stays fp8 (quant.matmul)
 
 See docs/quantization.md.
 """
@@ -15,6 +16,8 @@ from glm5_jax.quant.formats import (
     is_quantized,
     quantize,
 )
+from glm5_jax.quant.matmul import IMPLS as MATMUL_IMPLS
+from glm5_jax.quant.matmul import expert_linear, head_inputs, head_outputs, linear
 from glm5_jax.quant.recipes import (
     MODULE_CLASSES,
     Recipe,
@@ -27,7 +30,8 @@ from glm5_jax.quant.recipes import (
 )
 
 __all__ = [
-    "FORMATS", "MODULE_CLASSES", "QuantizationError", "QuantizedTensor", "Recipe", "builtin_recipes",
-    "dequantize", "dequantize_tree", "format_counts", "is_quantized", "load_recipe", "quantize",
-    "quantize_params", "weight_bytes", "weight_layout",
+    "FORMATS", "MATMUL_IMPLS", "MODULE_CLASSES", "QuantizationError", "QuantizedTensor", "Recipe",
+    "builtin_recipes", "dequantize", "dequantize_tree", "expert_linear", "format_counts", "head_inputs",
+    "head_outputs", "is_quantized", "linear", "load_recipe", "quantize", "quantize_params", "weight_bytes",
+    "weight_layout",
 ]

@@ -8,9 +8,9 @@ accumulation (`preferred_element_type`), scaled by the activation tile scale tim
     y[t, o] = sum_k  xs[t, k] * ws[k, o // 128] * (xq[t, k, :] . wq[k, :, o])
 
 On GPUs with FP8 tensor cores (Hopper and later) XLA runs the float8 dot natively; XLA:CPU
-runs it too (upcasting), which is how the tests check it. The model's default path
-dequantizes the weight instead (glm5_jax.model.layers.declare_weight); this op is the
-building block for modules that want the FP8 dot.
+runs it too (upcasting), which is how the tests check it. The serving step uses it with
+`ExecutionOptions.quantized_matmul="native"` (glm5_jax.quant.matmul); training and `forward`
+dequantize instead (glm5_jax.model.layers.declare_weight).
 """
 
 from __future__ import annotations
@@ -47,17 +47,27 @@ def fp8_matmul(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
     if weight.values.ndim != 2:
         raise QuantizationError(f"fp8_matmul needs one matrix; this weight has leading axes "
                                 f"{weight.values.shape[:-2]} (slice it per layer / expert first)")
-    rows, cols = weight.values.shape
+    rows = weight.values.shape[0]
     if x.shape[-1] != rows:
         raise QuantizationError(f"fp8_matmul: x has {x.shape[-1]} input features, the weight {rows}")
     lead = x.shape[:-1]
-    x_tiles, x_scales = quantize_activations(x.reshape(-1, rows))  # [T, Ib, 128], [T, Ib]
-    w = _pad_to(_pad_to(weight.values, 0, FP8_BLOCK), 1, FP8_BLOCK)  # [Ib*128, Ob*128]
-    w_tiles = w.reshape(-1, FP8_BLOCK, w.shape[1])  # [Ib, 128, Opad]
-    # Batch over the 128-wide contraction slices: [Ib, T, 128] x [Ib, 128, Opad] -> [Ib, T, Opad].
-    partial = jax.lax.dot_general(
-        jnp.swapaxes(x_tiles, 0, 1), w_tiles, (((2,), (1,)), ((0,), (0,))),
-        preferred_element_type=jnp.float32)
-    w_scales = jnp.repeat(weight.scales, FP8_BLOCK, axis=1)  # [Ib, Opad]
-    out = jnp.einsum("KTO,TK,KO->TO", partial, x_scales, w_scales)[:, :cols]
+    out = fp8_matmul_batched(x.reshape(1, -1, rows), weight.values[None], weight.scales[None])[0]
     return out.reshape(lead + weight.out_shape)
+
+
+def fp8_matmul_batched(x: jax.Array, values: jax.Array, scales: jax.Array) -> jax.Array:
+    """Batch b: x[b] times matrix b of an fp8 weight stack. x [B, T, I]; values float8_e4m3fn
+    [B, I, O]; scales float32 [B, ceil(I/128), ceil(O/128)] -> float32 [B, T, O].
+
+    Only the contraction axis of the weight is padded (a copy when I is not a multiple of 128);
+    the output axis is used as stored."""
+    batch, tokens, rows = x.shape
+    cols = values.shape[-1]
+    x_tiles, x_scales = quantize_activations(x.reshape(batch * tokens, rows))  # [B*T, Ib, 128], [B*T, Ib]
+    x_tiles = x_tiles.reshape(batch, tokens, -1, FP8_BLOCK).transpose(0, 2, 1, 3)  # [B, Ib, T, 128]
+    w_tiles = _pad_to(values, 1, FP8_BLOCK).reshape(batch, -1, FP8_BLOCK, cols)  # [B, Ib, 128, O]
+    # Batch over (B, the 128-wide contraction slices): [B, Ib, T, 128] x [B, Ib, 128, O] -> [B, Ib, T, O].
+    partial = jax.lax.dot_general(x_tiles, w_tiles, (((3,), (2,)), ((0, 1), (0, 1))),
+                                  preferred_element_type=jnp.float32)
+    w_scales = jnp.repeat(scales, FP8_BLOCK, axis=-1)[..., :cols]  # [B, Ib, O]
+    return jnp.einsum("BKTO,BTK,BKO->BTO", partial, x_scales.reshape(batch, tokens, -1), w_scales)
