@@ -10,10 +10,13 @@ import jsonschema
 import numpy as np
 import pytest
 from fake_engine import make_tokenizer
+from glm_files import glm_tokenizer
 from reference import perturbed_params
 
+from glm5_jax.serve.chat_constraints import tool_call_regex
 from glm5_jax.serve.engine import Engine
 from glm5_jax.serve.grammar import GrammarCompiler
+from glm5_jax.serve.tool_calls import ToolCall, ToolCallParser
 from glm5_jax.serve.types import Constraint, InvalidRequestError, SamplingParams
 
 pytestmark = pytest.mark.xdist_group("structured")
@@ -101,3 +104,52 @@ def test_the_constraint_starts_after_its_marker():
                                 for t in allowed)
     done = [output.advance(token) for token in TOKENIZER.encode("dog").ids]
     assert done[-1] and not any(done[:-1])  # complete: the engine ends the output ("stop")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "unit": {"enum": ["C", "F"]}},
+    "required": ["city"]}}}
+CLOCK = {"type": "function",
+         "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_forced_tool_calls_sampled_with_the_real_glm_tokenizer_parse_and_validate():
+    # GLM's tool-call tags (<tool_call>, <arg_key>, ...) are added tokens that are text, not
+    # special: the grammar must allow them. Random walks under the mask (closing tags preferred
+    # so walks end) must always give markup that the server's parser turns into typed calls.
+    tokenizer = glm_tokenizer()
+    vocab, eos = 154_856, tokenizer.token_to_id("<|endoftext|>")
+    compiler = GrammarCompiler(tokenizer, vocab, [eos])
+    special = {tokenizer.token_to_id(t) for t in ("<|user|>", "<|assistant|>", "<|observation|>", "[gMASK]")}
+    closes = np.array([(tokenizer.id_to_token(t) or "").startswith("</") for t in range(vocab)])
+    row = np.zeros(-(-vocab // 32), np.int32)
+    rng = np.random.default_rng(0)
+    for names, parallel in ((["get_weather"], False), (["get_weather", "clock"], True)):
+        constraint = Constraint("regex", tool_call_regex([WEATHER, CLOCK], names, parallel), after="</think>")
+        for _ in range(4):
+            output, tokens = compiler.start(constraint, tokenizer), []
+            for token in tokenizer.encode("Let me check.</think>").ids:
+                output.advance(token)
+            for _ in range(300):
+                output.fill(row)
+                allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab])
+                assert allowed.size and not special & set(allowed.tolist())
+                if not tokens:  # the model's own single token for the tag, not "<", "tool", ...
+                    assert tokenizer.token_to_id("<tool_call>") in allowed
+                tags = allowed[closes[allowed]]
+                token = int(rng.choice(tags if tags.size and rng.random() < 0.5 else allowed))
+                if token == eos:
+                    break
+                tokens.append(token)
+                if output.advance(token):
+                    break
+            text = tokenizer.decode(tokens, skip_special_tokens=False)
+            parser = ToolCallParser([WEATHER, CLOCK], None if parallel else 1)
+            items = parser.feed(text) + parser.finish()
+            assert items and all(isinstance(item, ToolCall) for item in items), text
+            assert parallel or len(items) == 1
+            for call in items:
+                assert call.name in names
+                parameters = (WEATHER if call.name == "get_weather" else CLOCK)["function"]["parameters"]
+                jsonschema.validate(json.loads(call.arguments), parameters)

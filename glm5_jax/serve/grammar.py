@@ -15,6 +15,7 @@ thinking block stays free, the answer is constrained.
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,44 @@ def apply_allowed_bits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     return jnp.where(keep, logits, -jnp.inf)
 
 
+@functools.cache
+def _byte_of_symbol() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's) printable stand-in for each byte, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {**{chr(byte): byte for byte in printable},
+            **{chr(256 + n): byte for n, byte in enumerate(others)}}
+
+
+class _ByteLevelVocabulary:
+    """The token bytes llguidance matches grammars against, for a byte-level BPE tokenizer.
+
+    Built here rather than by llguidance from tokenizer.json because llguidance treats every added
+    token as special (never text), while GLM's `<think>`, `<tool_call>`, `<arg_key>` ... are added
+    tokens that are text (`special: false`): a regex for GLM's tool-call markup must be able to
+    emit them. Special added tokens get llguidance's 0xFF marker; encoding is the tokenizer's own,
+    so text a grammar forces is tokenized as the model saw it in training."""
+
+    def __init__(self, spec: dict, tokenizer: tokenizers.Tokenizer, vocab_size: int, eos: list[int]):
+        byte_of = _byte_of_symbol()
+        tokens = [b""] * vocab_size
+        for symbols, index in spec["model"]["vocab"].items():
+            if index < vocab_size:
+                tokens[index] = bytes(byte_of[symbol] for symbol in symbols)
+        self.special_token_ids = []
+        for added in spec["added_tokens"]:
+            if added["id"] < vocab_size:
+                tokens[added["id"]] = (b"\xff" if added["special"] else b"") + added["content"].encode()
+                if added["special"]:
+                    self.special_token_ids.append(added["id"])
+        self.tokens, self.eos_token_id, self.bos_token_id = tokens, (eos[0] if eos else None), None
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
 class GrammarCompiler:
     """Turns Constraints into matchers for one tokenizer and vocabulary (built once per engine)."""
 
@@ -51,7 +90,10 @@ class GrammarCompiler:
         eos = list(eos_token_ids)
         self.vocab_size = vocab_size
         try:
-            self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size,
+            spec = json.loads(tokenizer.to_str())
+            source = (llguidance.TokenizerWrapper(_ByteLevelVocabulary(spec, tokenizer, vocab_size, eos))
+                      if (spec.get("decoder") or {}).get("type") == "ByteLevel" else tokenizer.to_str())
+            self.tokenizer = llguidance.LLTokenizer(source, n_vocab=vocab_size,
                                                     eos_token=eos[0] if eos else None)
         except ValueError as error:
             raise InvalidRequestError(f"constrained output is not available for this tokenizer: {error}") \
