@@ -9,7 +9,8 @@ a chat template) or a train.py run directory (checkpoints/, tokenizer.json). Any
 works: point its base_url at http://HOST:PORT/v1 and use the served model id (by default the
 checkpoint directory's name) or one of its aliases. `--server-config FILE` (configs/serve_example.py)
 gives aliases, API keys and per-key rate limits; /metrics serves Prometheus metrics. Execution
-options (--dtype, --moe-impl, --attention-impl, --indexer-impl, --decode-attention-impl) start
+options (--dtype, --moe-impl, --attention-impl, --indexer-impl, --decode-attention-impl,
+--quantized-matmul) start
 from the checkpoint's (a run's `execution` section, an HF checkpoint's stored dtype), e.g.
 `--decode-attention-impl pallas` serves through the Pallas ragged paged-attention kernel.
 `--mesh tensor=2,expert=4` serves on a device mesh (the syntax of `python -m glm5_jax.plan
@@ -35,7 +36,9 @@ DEFAULT_DECODE_STEPS = 8  # glm5_jax.serve.engine.DEFAULT_DECODE_STEPS (a test c
 DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 MOE_IMPL_CHOICES = ("ragged", "blocked", "dense", "pallas")
 KERNEL_IMPL_CHOICES = ("reference", "pallas")
-EXECUTION_FLAGS = ("dtype", "moe_impl", "attention_impl", "indexer_impl", "decode_attention_impl")
+QUANTIZED_MATMUL_CHOICES = ("dequantize", "native", "pallas")
+EXECUTION_FLAGS = ("dtype", "moe_impl", "attention_impl", "indexer_impl", "decode_attention_impl",
+                   "quantized_matmul")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -103,6 +106,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--decode-attention-impl", choices=KERNEL_IMPL_CHOICES, default=None,
                        help="MLA attention over the paged cache: reference (jnp) or pallas (the ragged "
                             "paged-attention kernel; GPU/TPU)")
+    group.add_argument("--quantized-matmul", choices=QUANTIZED_MATMUL_CHOICES, default=None,
+                       help="how FP8 weights (--quantize fp8, FP8 checkpoints) meet the activations: "
+                            "dequantize (a float copy per layer; any backend), native (XLA float8 dots, "
+                            "activations rounded to FP8; FP8 GPUs) or pallas (the weight-only FP8 kernel; "
+                            "GPU/TPU). int8/nvfp4 weights are always dequantized")
+    parser.add_argument("--reasoning-parser", choices=("glm45", "none"), default="glm45",
+                        help="chat answers: glm45 returns the <think> block as reasoning_content (and "
+                             "reasoning) apart from content, as vLLM's --reasoning-parser glm45 does; none "
+                             "leaves it in content (default: glm45)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn log level (default: info)")
@@ -222,7 +234,8 @@ def main(argv=None) -> int:
                     options=options, mesh=placed.get("mesh"))
     app = create_app(engine, model_id, api_key=args.api_key, chat_template=load_chat_template(checkpoint),
                      special_tokens=load_special_tokens(checkpoint), server_config=server_config,
-                     metrics=metrics, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+                     metrics=metrics, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                     reasoning_parser=args.reasoning_parser)
     print("compiling the engine step...", flush=True)
     warm_up(engine)
     aliases = f" (aliases: {', '.join(server_config.model_aliases)})" if server_config.model_aliases else ""

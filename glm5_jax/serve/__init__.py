@@ -12,8 +12,14 @@
     accounting.py  usage (cached tokens) and rate-limit settlement around a request stream
     chat.py      ChatRenderer, load_chat_template, load_special_tokens: messages -> prompt text
     textstream.py  engine events -> text (incremental detokenising, stop strings)
+    reasoning.py   the <think> block of chat output -> reasoning_content
+    tool_calls.py  GLM-5 tool-call markup in chat output -> OpenAI tool_calls
+    chat_output.py one chat choice's text -> OpenAI deltas and message (reasoning, content, tool calls)
+    chat_constraints.py  tool_choice and response_format -> the engine's Constraint
+    protocol.py  the API's request bodies; logprobs.py  the OpenAI log-probability formats
+    choices.py   n choices per prompt as engine requests, and the JSON or SSE answer they make
     api.py       create_app(engine, model_id, ...): the FastAPI app (/v1/completions, /v1/chat/completions,
-                 /v1/models, /health, /metrics)
+                 /v1/models, /health, /metrics, /tokenize, /detokenize)
 
 Nothing is imported here, so that using the engine needs neither FastAPI nor jinja2 and the API
 can be tested without JAX: import the submodule you need. `python serve.py` runs a server.

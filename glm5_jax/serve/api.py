@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics (Prometheus).
+/metrics (Prometheus), and vLLM's /tokenize, /detokenize and /tokenizer_info.
 
-Requests become SamplingParams and token ids for the engine; engine events become text here:
-incremental detokenisation that never emits half a UTF-8 character, stop strings (cut before the
-match, engine request cancelled), and EOS / stop-token text kept out of the output. Every error is
-an OpenAI-style JSON body ({"error": {"message", "type", "param", "code"}}) and never a 500 for a
-bad request (errors.py); a client that goes away cancels its engine request. Model-id aliases, API
+Requests become SamplingParams and token ids for the engine; engine events become text
+(textstream.py: incremental detokenisation, stop strings, EOS text kept out) and, for chat, the
+reasoning, content and tool calls of OpenAI messages (chat_output.py). `n` choices (and, on
+/v1/completions, a list of prompts) are one engine request each (choices.py). Every error is an
+OpenAI-style JSON body ({"error": {"message", "type", "param", "code"}}) and never a 500 for a bad
+request (errors.py); a client that goes away cancels its engine requests. Model-id aliases, API
 keys and their per-minute limits come from the server config (server_config.py); a request over a
 limit is answered 429 with Retry-After (limits.py). Bodies over max_body_bytes get 413; a full
 engine queue or a failed engine 503; a request that fails inside the engine a generic 500 (or, once
@@ -16,98 +17,60 @@ that a long prompt does not hold up other streams.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
+import dataclasses
 import json
-import logging
 import secrets
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, Literal
 
 import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from glm5_jax.serve.accounting import AccountedGeneration
 from glm5_jax.serve.chat import ChatRenderer
-from glm5_jax.serve.errors import APIError, add_error_handlers, error_body, internal_error_message
-from glm5_jax.serve.limits import RateLimited, RateLimiter
+from glm5_jax.serve.chat_constraints import (
+    InvalidFieldError,
+    output_constraint,
+    plan_tools,
+    response_format_constraint,
+)
+from glm5_jax.serve.chat_output import ChatOutput, message
+from glm5_jax.serve.choices import Choices, respond
+from glm5_jax.serve.errors import APIError, add_error_handlers
+from glm5_jax.serve.limits import RateLimited, RateLimiter, Reservation
+from glm5_jax.serve.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    joined,
+    prompt_completion_logprobs,
+    token_text,
+)
 from glm5_jax.serve.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
+from glm5_jax.serve.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingRequest,
+    TokenizeRequest,
+)
+from glm5_jax.serve.reasoning import REASONING_PARSERS, ReasoningParser, starts_in_reasoning
 from glm5_jax.serve.server_config import ApiKey, ServerConfig
-from glm5_jax.serve.textstream import Generation, Piece
-from glm5_jax.serve.types import MAX_TOP_LOGPROBS, GenerationEvent, InvalidRequestError, SamplingParams
+from glm5_jax.serve.textstream import Piece
+from glm5_jax.serve.tool_calls import ToolCallParser
+from glm5_jax.serve.types import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams
 
-logger = logging.getLogger(__name__)
 MAX_COMPLETION_LOGPROBS = 5  # the OpenAI limit for /v1/completions; chat allows top_logprobs up to 20
+MAX_CHOICES = 16  # n; each choice is an engine request of its own
+MAX_GENERATIONS = 256  # prompts x n of one /v1/completions request
 SYSTEM_FINGERPRINT = "glm5-jax"
 # Endpoints counted by name in glm5_requests_total; anything else is "other" (bounded label values).
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+             "/detokenize", "/tokenizer_info")
 # Far above any prompt the context allows (128k token ids as JSON are ~1 MB), far below memory trouble.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-
-
-# ---------------------------------------------------------------- request bodies
-class _SamplingRequest(BaseModel):
-    # Clients send fields this server does not use (user, metadata, ...): ignore rather than reject.
-    # None everywhere means "the default": some clients send explicit nulls for unset fields.
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None  # OpenAI requires it; when left out (curl users) the served model answers
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = False
-    n: int | None = 1
-    stream: bool | None = False
-    stream_options: dict[str, Any] | None = None  # {"include_usage": bool}
-    logit_bias: dict[str, float] | None = None
-    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens
-
-
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class ChatMessage(BaseModel):
-    # Extra keys (tool_calls, tool_call_id, name, reasoning_content) are kept for the template.
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatRequest(_SamplingRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class _SSEResponse(StreamingResponse):
-    """Closes the event generator however the response ends (e.g. the client disconnected while a
-    chunk was being sent), so its `finally` cancels the engine request now rather than at GC."""
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:
@@ -140,79 +103,49 @@ async def _parse(request: Request, model: type[BaseModel], max_bytes: int):
     return model.model_validate(data)  # a ValidationError becomes a 400 in the app's handler
 
 
-async def _until_disconnected(request: Request) -> None:
-    # The body has been read, so the next ASGI message is the disconnect (uvicorn blocks until then).
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _collect(request: Request, generation: Generation) -> tuple[str, list[GenerationEvent]] | None:
-    """Runs a non-streaming request to the end; None (request cancelled) if the client leaves first."""
-
-    async def run():
-        texts, events = [], []
-        async with contextlib.aclosing(generation.pieces()) as pieces:
-            async for piece in pieces:
-                texts.append(piece.text)
-                events.extend(piece.events)
-        return "".join(texts), events
-
-    task, watcher = asyncio.ensure_future(run()), asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        return task.result() if task.done() else None
-    finally:
-        task.cancel()  # no-op when done; otherwise its pieces() finally cancels the engine request
-        watcher.cancel()
-
-
-# ---------------------------------------------------------------- logprobs formats
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _completion_logprobs(tokenizer, events: list[GenerationEvent], offset: int) -> dict:
-    tokens = [_token_text(tokenizer, e.token_id) for e in events]
-    offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=offset)) if tokens else []
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in events],
-            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top_logprobs} for e in events],
-            "text_offset": offsets}
-
-
-def _chat_logprobs(tokenizer, events: list[GenerationEvent]) -> dict:
-    def entry(token_id, logprob):
-        text = _token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**entry(e.token_id, e.logprob),
-                         "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs]} for e in events]}
-
-
 def _bearer_token(request: Request) -> str | None:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _field(call, *args):
+    """call(*args), its InvalidFieldError answered as a 400 naming the field."""
+    try:
+        return call(*args)
+    except InvalidFieldError as exc:
+        raise APIError(400, str(exc), exc.param) from exc
+
+
+def _prompt_list(prompt) -> list:
+    """/v1/completions' prompt as a list of prompts (each a string or token ids)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
 
 
 # ---------------------------------------------------------------- the app
 def create_app(engine, model_id: str, *, api_key: str | None = None, chat_template: str | None = None,
                special_tokens: Mapping[str, str] | None = None, server_config: ServerConfig | None = None,
                metrics: ServerMetrics | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               clock=time.monotonic) -> FastAPI:
+               reasoning_parser: str = "glm45", clock=time.monotonic) -> FastAPI:
     """The API app for `engine` serving `model_id`.
 
-    api_key: when set, /v1/* requires `Authorization: Bearer <api_key>` (at the default limits).
-    chat_template: the checkpoint's Jinja chat template (chat.load_chat_template); None uses the
-    built-in GLM-5 format. special_tokens: bos_token / eos_token ... for the template (defaults to
-    eos_token from the engine's first EOS id).
+    api_key: when set, /v1/* (and /tokenize, /detokenize) require `Authorization: Bearer <api_key>`
+    (at the default limits). chat_template: the checkpoint's Jinja chat template
+    (chat.load_chat_template); None uses the built-in GLM-5 format. special_tokens: bos_token /
+    eos_token ... for the template (defaults to eos_token from the engine's first EOS id).
     server_config: model aliases, API keys and their limits (server_config.load_server_config).
     metrics: the ServerMetrics also given to the engine as its observer; None makes one that only
-    sees the HTTP layer. max_body_bytes: larger request bodies get 413. clock: the rate limiter's
-    clock (seconds), for tests.
+    sees the HTTP layer. max_body_bytes: larger request bodies get 413. reasoning_parser: "glm45"
+    splits the thinking block out of chat answers (reasoning_content), "none" leaves it in the
+    content. clock: the rate limiter's clock (seconds), for tests.
 
     The engine contract beyond submit(): submit raises QueueFullError (answered 503 + Retry-After) or
     EngineUnavailableError (503); a stream may end with finish_reason "error" (a generic 500, or a
     final SSE error event); engine.failure (None while healthy) makes /health answer 503.
     """
+    if reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
     config = server_config or ServerConfig()
     metrics = metrics or ServerMetrics()
     tokenizer = engine.tokenizer
@@ -251,16 +184,18 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         if any(not 0 <= token < vocab for token in token_ids):
             raise APIError(400, f"{param} must be token ids in [0, {vocab})", param)
 
-    def sampling_params(body: _SamplingRequest, max_tokens: int | None, default_max: int,
-                        logprobs: int | None, max_param: str = "max_tokens") -> SamplingParams:
+    def sampling_params(body: SamplingRequest, max_tokens: int | None, default_max: int, logprobs: int | None,
+                        max_param: str = "max_tokens", prompt_logprobs: int | None = None) -> SamplingParams:
         """Checks what SamplingParams.validate cannot (n, the context limit, token ids), then builds it.
-        max_param: the name the client used for max_tokens (chat also takes max_completion_tokens)."""
-        if body.n not in (None, 1):
-            raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", "n")
+        max_param: the name the client used for max_tokens (chat also takes max_completion_tokens).
+        prompt_logprobs: set when scoring the prompt, which allows max_tokens 0."""
+        if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", "n")
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
-        if max_tokens is not None and not 1 <= max_tokens <= engine.max_context:
-            raise APIError(400, f"{max_param} must be between 1 and {engine.max_context} (the context "
+        least = 0 if prompt_logprobs is not None else 1
+        if max_tokens is not None and not least <= max_tokens <= engine.max_context:
+            raise APIError(400, f"{max_param} must be between {least} and {engine.max_context} (the context "
                                 f"limit), got {max_tokens}", max_param)
         check_token_ids(body.stop_token_ids or (), "stop_token_ids")
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -273,7 +208,7 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             seed=body.seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
-            logprobs=logprobs, ignore_eos=bool(body.ignore_eos))
+            logprobs=logprobs, ignore_eos=bool(body.ignore_eos), prompt_logprobs=prompt_logprobs)
         params.validate()
         return params
 
@@ -281,10 +216,9 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         metrics.rejected.labels(reason).inc()
         return APIError(400, message, param, code)
 
-    def start(request: Request, body: _SamplingRequest, prompt_ids: list[int], params: SamplingParams,
-              param: str) -> AccountedGeneration:
-        """Submits to the engine after checking the prompt fits (the engine would also refuse) and the
-        caller's rate limits (reserving prompt + the most output tokens the request may produce)."""
+    def prepared(body: SamplingRequest, prompt_ids: list[int], param: str) -> list[int]:
+        """The prompt cut to truncate_prompt_tokens, checked to fit the context (the engine would
+        also refuse it)."""
         keep = body.truncate_prompt_tokens
         if keep is not None and keep < 1:
             raise APIError(400, f"truncate_prompt_tokens must be >= 1, got {keep}", "truncate_prompt_tokens")
@@ -299,20 +233,51 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
                            f"limit is {engine.max_context} tokens for prompt and output together; shorten "
                            f"it to at most {engine.max_context - 1} tokens (or send truncate_prompt_tokens)",
                            param, "context_length_exceeded")
+        return prompt_ids
+
+    def start(request: Request, body: SamplingRequest, prompts: list[list[int]],
+              params: SamplingParams) -> Choices:
+        """Submits n engine requests per prompt (choice j seeded seed + j) after checking the caller's
+        rate limits: one reservation for the whole request (each prompt + the most output tokens
+        its n choices may produce)."""
+        n = body.n or 1
         caller = request.state.caller
-        most_tokens = len(prompt_ids) + min(params.max_tokens, engine.max_context - len(prompt_ids))
+        most = sum(len(ids) + n * min(params.max_tokens, engine.max_context - len(ids)) for ids in prompts)
         try:
-            reservation = limiter.acquire(caller.key, most_tokens)
+            reservation = limiter.acquire(caller.key, most)
         except RateLimited as exc:
             metrics.rate_limited.labels(exc.limit, caller.name).inc()
             headers = {} if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
             raise APIError(429, exc.message, None, "rate_limit_exceeded", "rate_limit_error",
                            headers) from None
+        generations = []
         try:
-            return AccountedGeneration(engine, prompt_ids, params, reservation, metrics)
+            for ids in prompts:
+                for j in range(n):
+                    seed = None if params.seed is None else params.seed + j
+                    seeded = params if j == 0 else dataclasses.replace(params, seed=seed)
+                    generations.append(AccountedGeneration(engine, ids, seeded, Reservation(), metrics))
         except BaseException:
-            reservation.cancel()  # refused by the engine (a full queue, say): a retry must not be charged
+            # Refused by the engine (a full queue, say): a retry must not be charged.
+            for generation in generations:
+                generation.stream.cancel()
+                generation.close()
+            reservation.cancel()
             raise
+        return Choices(generations, n, reservation)
+
+    def render(messages, tools, kwargs, add_generation_prompt=True) -> str:
+        try:
+            return renderer.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                   **kwargs)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), "messages") from exc
+        except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. the template adds str and int
+            raise APIError(400, f"messages: the chat template rejected the conversation: {exc}",
+                           "messages") from exc
+
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids if text else []
 
     v1 = APIRouter(dependencies=[Depends(check_api_key)])
     created = int(time.time())
@@ -347,49 +312,71 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise APIError(400, f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, "
                                 f"got {body.logprobs}", "logprobs")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
-        params = sampling_params(body, body.max_tokens, 16, body.logprobs)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, "prompt must be a single prompt (one string or one token list), "
-                                    f"got a list of {len(prompt)}", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt_ids = (await asyncio.to_thread(tokenizer.encode, prompt)).ids if prompt else []
-        else:
-            check_token_ids(prompt, "prompt")
-            prompt_ids = list(prompt)
-        echo = await asyncio.to_thread(tokenizer.decode, prompt_ids) if body.echo else ""
-        generation = start(request, body, prompt_ids, params, "prompt")
+        # echo + logprobs scores the prompt (lm-evaluation-harness's loglikelihood requests).
+        scoring = bool(body.echo) and body.logprobs is not None
+        params = sampling_params(body, body.max_tokens, 16, body.logprobs,
+                                 prompt_logprobs=body.logprobs if scoring else None)
+        params = dataclasses.replace(params, constraint=_field(response_format_constraint,
+                                                               body.response_format, None))
+        prompts = _prompt_list(body.prompt)
+        if len(prompts) * (body.n or 1) > MAX_GENERATIONS:
+            raise APIError(400, f"prompt: at most {MAX_GENERATIONS} prompts x n per request", "prompt")
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                check_token_ids(prompt, "prompt")
+        ids = [await asyncio.to_thread(encode, p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [prepared(body, prompt_ids, "prompt") for prompt_ids in ids]
+        echoes = [await asyncio.to_thread(tokenizer.decode, p) if body.echo else "" for p in ids]
+        choices = start(request, body, ids, params)
+        n, offsets, echoed = choices.n, [0] * len(choices.generations), [False] * len(choices.generations)
         base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model_id, "system_fingerprint": SYSTEM_FINGERPRINT}
-        offset = 0  # where the next piece's text starts, for logprobs.text_offset (never with echo)
 
-        def choice(text, events, finish):
-            nonlocal offset
-            logprobs = None if params.logprobs is None else _completion_logprobs(tokenizer, events, offset)
-            offset += len(text)
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        def choice(index, text, events, finish):
+            """Choice `index`'s text and logprobs; offsets[index]: where `text` starts in the choice's text.
+            When scoring, the final (EOS) token counts too: clients slice by token counts."""
+            logprobs = None
+            if params.logprobs is not None:
+                hidden = choices.generations[index].hidden_event
+                shown = [*events, hidden] if scoring and finish and hidden is not None else events
+                logprobs = completion_logprobs(tokenizer, shown, offsets[index])
+            offsets[index] += len(text)
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-        def chunks(piece: Piece):
-            yield {**base, "choices": [choice(piece.text, piece.events, piece.finish_reason)]}
+        def echo_choice(index):
+            echoed[index], prompt = True, index // n
+            logprobs = None
+            if scoring:
+                logprobs = prompt_completion_logprobs(tokenizer, ids[prompt],
+                                                      choices.generations[index].prompt_logprobs)
+            offsets[index] += len(echoes[prompt])
+            return {"index": index, "text": echoes[prompt], "logprobs": logprobs, "finish_reason": None}
 
-        def response(text, events):
-            return {**base, "choices": [choice(echo + text, events, generation.finish_reason)],
-                    "usage": generation.usage()}
+        def chunks(index, piece: Piece):
+            if body.echo and not echoed[index]:  # sent once the prompt's log probabilities have come
+                yield {**base, "choices": [echo_choice(index)]}
+            yield {**base, "choices": [choice(index, piece.text, piece.events, piece.finish_reason)]}
 
-        first = [{**base, "choices": [choice(echo, [], None)]}] if echo and body.stream else []
-        return await _respond(request, body, generation, base, first, chunks, response)
+        def response(results):
+            answers = []
+            for index, (text, events) in enumerate(results):
+                first = echo_choice(index) if body.echo else None
+                answer = choice(index, text, events, choices.generations[index].finish_reason)
+                if first is not None:
+                    answer["text"] = first["text"] + answer["text"]
+                    if scoring:
+                        answer["logprobs"] = joined(first["logprobs"], answer["logprobs"])
+                answers.append(answer)
+            return {**base, "choices": answers, "usage": choices.usage()}
+
+        return await respond(request, bool(body.stream), _include_usage(body), choices, base, [], chunks,
+                             response)
 
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         request.state.request_id = request_id = f"chatcmpl-{uuid.uuid4().hex}"
         body = await _parse(request, ChatRequest, max_body_bytes)
         check_model(body.model)
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         top = body.top_logprobs or 0
@@ -399,102 +386,95 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         params = sampling_params(body, getattr(body, max_param), engine.max_context,
                                  top if body.logprobs else None, max_param)
+        plan = _field(plan_tools, body.tools, body.tool_choice, body.parallel_tool_calls)
         messages = [message.model_dump(exclude_none=True) for message in body.messages]
 
         def prompt_ids():
-            prompt = renderer.render(messages, tools=body.tools, **(body.chat_template_kwargs or {}))
+            prompt = render(messages, plan.tools, body.chat_template_kwargs or {})
             # The template already wrote the special tokens ([gMASK]<sop>, ...): add none of our own.
-            return tokenizer.encode(prompt, add_special_tokens=False).ids
+            return prompt, encode(prompt, add_special_tokens=False)
 
-        try:
-            ids = await asyncio.to_thread(prompt_ids)
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), "messages") from exc
-        except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. the template adds str and int
-            raise APIError(400, f"messages: the chat template rejected the conversation: {exc}",
-                           "messages") from exc
-        generation = start(request, body, ids, params, "messages")
+        prompt, ids = await asyncio.to_thread(prompt_ids)
+        # GLM-5's template opens the thinking block itself: the output then starts inside it.
+        thinking = starts_in_reasoning(prompt)
+        constraint = _field(output_constraint, plan, body.response_format, thinking)
+        params = dataclasses.replace(params, constraint=constraint)
+        choices = start(request, body, [prepared(body, ids, "messages")], params)
+        outputs = [ChatOutput(ReasoningParser(thinking) if reasoning_parser == "glm45" else None,
+                              ToolCallParser(plan.tools, plan.max_calls) if plan.parse else None)
+                   for _ in choices.generations]
         base = {"id": request_id, "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": model_id, "system_fingerprint": SYSTEM_FINGERPRINT}
 
-        def choice(events, finish, **fields):  # events None: a chunk without tokens (role, finish)
+        def chunk(index, events, finish, delta):  # events None: a chunk without tokens (role, finish)
             wanted = params.logprobs is not None and events is not None
-            logprobs = _chat_logprobs(tokenizer, events) if wanted else None
-            return {"index": 0, **fields, "logprobs": logprobs, "finish_reason": finish}
+            logprobs = chat_logprobs(tokenizer, events) if wanted else None
+            return {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish}]}
 
-        def chunks(piece: Piece):
-            if piece.text or piece.events:
-                yield {**base, "choices": [choice(piece.events, None, delta={"content": piece.text})]}
+        def chunks(index, piece: Piece):
+            output = outputs[index]
+            deltas = output.feed(piece.text) if piece.text else []
             if piece.finish_reason:
-                yield {**base, "choices": [choice(None, piece.finish_reason, delta={})]}
+                deltas += output.finish()
+            for k, delta in enumerate(deltas or ([{}] if piece.events else [])):
+                yield chunk(index, piece.events if k == 0 else None, None, delta)
+            if piece.finish_reason:
+                yield chunk(index, None, output.finish_reason(piece.finish_reason), {})
 
-        def response(text, events):
-            message = {"role": "assistant", "content": text}
-            return {**base, "object": "chat.completion", "usage": generation.usage(),
-                    "choices": [choice(events, generation.finish_reason, message=message)]}
+        def response(results):
+            answers = []
+            for index, ((text, events), output) in enumerate(zip(results, outputs, strict=True)):
+                deltas = output.feed(text) + output.finish()
+                logprobs = chat_logprobs(tokenizer, events) if params.logprobs is not None else None
+                finish = output.finish_reason(choices.generations[index].finish_reason)
+                answers.append({"index": index, "message": message(deltas, output.tool_calls),
+                                "logprobs": logprobs, "finish_reason": finish})
+            return {**base, "object": "chat.completion", "usage": choices.usage(), "choices": answers}
 
-        first = [{**base, "choices": [choice(None, None, delta={"role": "assistant", "content": ""})]}]
-        return await _respond(request, body, generation, base, first, chunks, response)
+        first = [chunk(index, None, None, {"role": "assistant", "content": ""})
+                 for index in range(len(choices.generations))]
+        return await respond(request, bool(body.stream), _include_usage(body), choices, base, first, chunks,
+                             response)
+
+    @v1.post("/tokenize")
+    async def tokenize(request: Request):
+        # vLLM's: a prompt (special tokens added unless told not to) or chat messages (rendered by the
+        # chat template, which writes its own special tokens).
+        body = await _parse(request, TokenizeRequest, max_body_bytes)
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send either prompt or messages", "prompt")
+        if body.prompt is not None:
+            special = body.add_special_tokens is not False
+            ids = await asyncio.to_thread(encode, body.prompt, special)
+        else:
+            messages = [message.model_dump(exclude_none=True) for message in body.messages]
+            kwargs = body.chat_template_kwargs or {}
+            prompt = await asyncio.to_thread(render, messages, body.tools, kwargs,
+                                             body.add_generation_prompt is not False)
+            ids = await asyncio.to_thread(encode, prompt, bool(body.add_special_tokens))
+        strings = [token_text(tokenizer, token) for token in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": strings}
+
+    @v1.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _parse(request, DetokenizeRequest, max_body_bytes)
+        check_model(body.model)
+        check_token_ids(body.tokens, "tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, skip_special_tokens=False)}
+
+    @v1.get("/tokenizer_info")
+    async def tokenizer_info():
+        # vLLM's: what a remote tokenizer client (lm-evaluation-harness' tokenizer_backend=remote)
+        # needs besides /tokenize and /detokenize: the special tokens and the chat template.
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": engine.max_context,
+                **renderer.special_tokens, "chat_template": renderer.template_source}
 
     app.include_router(v1)
     app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)
     return app
 
 
-async def _respond(request: Request, body: _SamplingRequest, generation: AccountedGeneration, base: dict,
-                   first_chunks: list[dict], chunks, response):
-    """Streams SSE chunks (first_chunks, then chunks(piece) for each piece, the usage chunk when asked,
-    then [DONE]) or waits for the whole output and returns response(text, events). A request that
-    fails in the engine (finish_reason "error") gets a generic 500, or ends its stream with an error
-    event and [DONE]; what went wrong goes to the log only."""
-    if not body.stream:
-        try:
-            result = await _collect(request, generation)
-        finally:
-            generation.close()
-        if generation.finish_reason == "error":
-            _log_engine_error(base["id"], generation)
-            raise APIError(500, internal_error_message(base["id"]), kind="server_error")
-        # 499: nobody is listening any more (the engine request was cancelled).
-        return Response(status_code=499) if result is None else response(*result)
-    include_usage = bool((body.stream_options or {}).get("include_usage"))
-
-    def sse(data: dict) -> str:
-        # With include_usage every chunk carries "usage": null except the last one, as OpenAI does.
-        data = {**data, "usage": None} if include_usage else data
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-    async def events():
-        for chunk in first_chunks:
-            yield sse(chunk)
-        failed = False
-        try:
-            async with contextlib.aclosing(generation.pieces()) as pieces:
-                async for piece in pieces:
-                    if piece.finish_reason == "error":  # send what was generated, then the error
-                        failed, piece = True, Piece(piece.text, piece.events)
-                        if not (piece.text or piece.events):
-                            continue
-                    for chunk in chunks(piece):
-                        yield sse(chunk)
-            if failed:
-                _log_engine_error(base["id"], generation)
-        except Exception:  # a bug mid-stream: too late for a status code
-            logger.exception("request %s failed", base["id"])
-            failed = True
-        finally:
-            generation.close()
-        if failed:
-            error = error_body(internal_error_message(base["id"]), "server_error")
-            yield f"data: {json.dumps({'error': error})}\n\n"
-        elif include_usage:
-            yield f"data: {json.dumps({**base, 'choices': [], 'usage': generation.usage()})}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return _SSEResponse(events(), media_type="text/event-stream")
-
-
-def _log_engine_error(request_id: str, generation: AccountedGeneration) -> None:
-    # The engine logs the cause with its traceback; this ties it to the HTTP request.
-    logger.error("request %s failed in the engine (engine request %s)", request_id,
-                 generation.stream.request_id)
+def _include_usage(body: SamplingRequest) -> bool:
+    return bool((body.stream_options or {}).get("include_usage"))

@@ -140,7 +140,7 @@ class ChatRenderer:
     def __init__(self, template: str | None = None, special_tokens: Mapping[str, str] | None = None):
         self.template_source = template
         self._template = compile_chat_template(template) if template is not None else None
-        self._special_tokens = dict(special_tokens or {})
+        self.special_tokens = dict(special_tokens or {})
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping] | None = None,
                add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
@@ -161,10 +161,14 @@ class ChatRenderer:
             message["content"] = message_text(message.get("content"), f"messages[{index}].content")
             if message.get("tool_calls"):
                 message["tool_calls"] = [_parsed_arguments(call) for call in message["tool_calls"]]
+            if "reasoning" in message and "reasoning_content" not in message:
+                # Newer vLLM answers `reasoning`; clients send it back in the next turn's history.
+                message["reasoning_content"] = message.pop("reasoning")
         if self._template is None:
             return render_glm5(plain, tools=tools, add_generation_prompt=add_generation_prompt,
-                               enable_thinking=template_kwargs.get("enable_thinking", True))
-        variables = {**self._special_tokens, **template_kwargs}
+                               enable_thinking=template_kwargs.get("enable_thinking", True),
+                               clear_thinking=template_kwargs.get("clear_thinking", True))
+        variables = {**self.special_tokens, **template_kwargs}
         return self._template.render(messages=plain, tools=list(tools) if tools else None,
                                      add_generation_prompt=add_generation_prompt, **variables)
 
@@ -199,28 +203,45 @@ def _glm5_tool_call(call: Mapping[str, Any]) -> str:
     return f"<tool_call>{call.get('name', '')}{arguments}</tool_call>"
 
 
+def _glm5_reasoning(message: Mapping[str, Any], text: str) -> tuple[str, str]:
+    """(reasoning, answer) of a past assistant turn, as the GLM-5 template splits them: its
+    reasoning_content, else what its content has before `</think>`."""
+    if isinstance(message.get("reasoning_content"), str):
+        return message["reasoning_content"], text
+    if "</think>" in text:
+        reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+        return reasoning, text.split("</think>")[-1].lstrip("\n")
+    return "", text
+
+
 def render_glm5(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping] | None = None,
-                add_generation_prompt: bool = True, enable_thinking: bool = True) -> str:
+                add_generation_prompt: bool = True, enable_thinking: bool = True,
+                clear_thinking: bool = True) -> str:
     """The built-in GLM-5 format, used when a checkpoint has no template (e.g. a train.py run).
 
-    It reproduces what GLM-5's own chat_template.jinja renders for text conversations (reasoning
-    content aside): `[gMASK]<sop>`, the tool list, then `<|system|>`/`<|user|>` + text with no newline,
-    past assistant turns as `<|assistant|></think>` + stripped text + `<tool_call>`s, tool results as
+    It reproduces what GLM-5's own chat_template.jinja renders: `[gMASK]<sop>`, the tool list, then
+    `<|system|>`/`<|user|>` + text with no newline, past assistant turns as `<|assistant|></think>` +
+    stripped text + `<tool_call>`s (turns after the last user message, or all with clear_thinking
+    false, keep their reasoning as `<think>...</think>`), tool results as
     `<|observation|><tool_response>...`, and `<|assistant|><think>` (or `</think>` with thinking off)
     as the generation prompt.
     """
     parts = ["[gMASK]<sop>"]
     if tools:
         parts += [_GLM5_TOOLS_INTRO, *(_tojson(tool) + "\n" for tool in tools), _GLM5_TOOLS_OUTRO]
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     previous_role = None
-    for message in messages:
+    for index, message in enumerate(messages):
         role, text = message["role"], message_text(message.get("content"), "content")
         if role == "system":
             parts.append(f"<|system|>{text}")
         elif role == "user":
             parts.append(f"<|user|>{text}")
         elif role == "assistant":
-            parts.append(f"<|assistant|></think>{text.strip()}")
+            reasoning, text = _glm5_reasoning(message, text)
+            shown = (not clear_thinking or index > last_user) and reasoning
+            parts.append("<|assistant|>" + (f"<think>{reasoning.strip()}</think>" if shown else "</think>")
+                         + text.strip())
             parts += [_glm5_tool_call(call) for call in message.get("tool_calls") or ()]
         elif role == "tool":
             if previous_role != "tool":

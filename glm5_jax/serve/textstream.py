@@ -1,6 +1,7 @@
 """Engine events -> text for the API: incremental detokenisation that never emits half a UTF-8
 character, stop strings (cut before the match, engine request cancelled), and EOS / stop-token
-text kept out of the output."""
+text kept out of the output (the token itself is kept aside, for scoring clients that count it).
+The prompt's log probabilities, when asked for, are kept from the first event."""
 
 from __future__ import annotations
 
@@ -72,6 +73,9 @@ class Generation:
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        # From the first event, when the request asked for them (SamplingParams.prompt_logprobs).
+        self.prompt_logprobs: tuple | None = None
+        self.hidden_event: GenerationEvent | None = None  # the EOS / stop token that ended it, unshown
         hidden = set(params.stop_token_ids) | (set() if params.ignore_eos else set(engine.eos_token_ids))
         self._hidden = frozenset(hidden)
         self._text = Detokenizer(engine.tokenizer, params.stop)
@@ -81,10 +85,14 @@ class Generation:
         try:
             async for event in self.stream:
                 finish = event.finish_reason
+                if event.prompt_logprobs is not None:
+                    self.prompt_logprobs = event.prompt_logprobs
                 if event.token_id is not None:
                     self.completion_tokens += 1
                     # The EOS / stop token that ends the request is counted but its text is not shown.
-                    if not (finish == "stop" and event.token_id in self._hidden):
+                    if finish == "stop" and event.token_id in self._hidden:
+                        self.hidden_event = event
+                    else:
                         pending.append(event)
                         self._text.push(event.token_id)
                 if self._text.stopped:  # a stop string: the engine need not generate any further
