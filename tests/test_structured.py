@@ -6,13 +6,17 @@ batch is unchanged; `after` leaves the text before it free; bad constraints are 
 import asyncio
 import json
 
+import httpx
 import jsonschema
 import numpy as np
+import openai
 import pytest
-from fake_engine import make_tokenizer
-from glm_files import glm_tokenizer
+from fake_engine import make_tokenizer, running
+from glm_files import glm_data_dir, glm_tokenizer
 from reference import perturbed_params
 
+from glm5_jax.serve.api import create_app
+from glm5_jax.serve.chat import load_chat_template
 from glm5_jax.serve.chat_constraints import tool_call_regex
 from glm5_jax.serve.engine import Engine
 from glm5_jax.serve.grammar import GrammarCompiler
@@ -153,3 +157,52 @@ def test_forced_tool_calls_sampled_with_the_real_glm_tokenizer_parse_and_validat
                 assert call.name in names
                 parameters = (WEATHER if call.name == "get_weather" else CLOCK)["function"]["parameters"]
                 jsonschema.validate(json.loads(call.arguments), parameters)
+
+
+UNITS = {"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "save": {"type": "boolean"}},
+    "required": ["unit"]}}}
+
+
+def test_tool_round_trip_through_the_api_on_the_real_engine(tiny_config):
+    # The acceptance test of the chat API's tools: the real GLM tokenizer and GLM-5 template, the
+    # official openai client, the real engine on a random-weight model whose output is forced by
+    # tool_choice "required" into GLM-5's tool-call markup; the call comes back as tool_calls
+    # and its result, sent as a `tool` message, is rendered into the next prompt.
+    tokenizer = glm_tokenizer()
+    template = load_chat_template(glm_data_dir() / "glm-5")
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    config = tiny_config.replace(num_mtp_layers=0, eos_token_ids=[eos], vocab_size=154_856)
+    engine = Engine(config, perturbed_params(config, 7), tokenizer, max_slots=2, max_context=1024,
+                    token_budget=128, seed=0)
+    app = create_app(engine, "glm", chat_template=template)
+    question = [{"role": "user", "content": "Use Fahrenheit from now on."}]
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    try:
+        with running(app) as base_url:
+            client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none")
+            for temperature in (0.0, 1.0):
+                first = client.chat.completions.create(
+                    model="glm", messages=question, tools=[UNITS], tool_choice="required", max_tokens=40,
+                    parallel_tool_calls=False, temperature=temperature, seed=5, extra_body=no_thinking)
+                choice = first.choices[0]
+                assert choice.finish_reason == "tool_calls" and choice.message.content is None
+                (call,) = choice.message.tool_calls
+                assert call.function.name == "set_unit" and call.id.startswith("call_")
+                jsonschema.validate(json.loads(call.function.arguments), UNITS["function"]["parameters"])
+            history = [*question, choice.message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": "unit saved"}]
+            final = client.chat.completions.create(model="glm", messages=history, tools=[UNITS], max_tokens=3,
+                                                   extra_body=no_thinking)
+            rendered = httpx.post(f"{base_url}/tokenize", json={"messages": history, "tools": [UNITS],
+                                                                 **no_thinking}).json()
+    finally:
+        engine.shutdown()
+    assert final.usage.prompt_tokens == rendered["count"]
+    prompt = tokenizer.decode(rendered["tokens"], skip_special_tokens=False)
+    arguments = json.loads(call.function.arguments)
+    written = "".join(f"<arg_key>{key}</arg_key><arg_value>"
+                      f"{value if isinstance(value, str) else json.dumps(value)}</arg_value>"
+                      for key, value in arguments.items())
+    result = "<|observation|><tool_response>unit saved</tool_response>"
+    assert f"<tool_call>set_unit{written}</tool_call>{result}" in prompt
