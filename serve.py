@@ -77,6 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
                         help="decode steps one device call runs when every request is decoding "
                              f"(default: {DEFAULT_DECODE_STEPS})")
+    parser.add_argument("--speculative-tokens", type=int, default=0, metavar="N",
+                        help="MTP speculative decoding: the checkpoint's MTP layer drafts N tokens per "
+                             "decode round, the model verifies them in one step (vLLM's --speculative-config "
+                             "method mtp; GLM-5 uses 3). Greedy output is unchanged; sampled output keeps "
+                             "its distribution (default: 0, off)")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse cached pages of earlier prompts with the same prefix (default: on)")
     parser.add_argument("--noprefix-caching", dest="prefix_caching", action="store_false",
@@ -126,6 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag, value, least in (("--page-size", args.page_size, 1), ("--num-pages", args.num_pages, 1),
                                ("--token-budget", args.token_budget, 1),
                                ("--decode-steps", args.decode_steps, 1),
+                               ("--speculative-tokens", args.speculative_tokens, 0),
                                ("--host-cache-pages", args.host_cache_pages, 0),
                                ("--max-waiting", args.max_waiting, 0),
                                ("--max-body-bytes", args.max_body_bytes, 1)):
@@ -225,13 +231,16 @@ def main(argv=None) -> int:
         sys.exit(f"error: {exc}")
     if tokenizer is None:
         sys.exit(f"error: {checkpoint} has no tokenizer.json; the server needs it to read and write text")
+    if args.speculative_tokens and not config.num_mtp_layers:
+        sys.exit(f"error: --speculative-tokens drafts with the model's MTP layer, and {checkpoint} has none "
+                 "(num_nextn_predict_layers = 0); serve it without --speculative-tokens")
     model_id = args.model_id or server_config.model_id or checkpoint.resolve().name
     metrics = ServerMetrics()
     engine = Engine(config, params, tokenizer, max_slots=args.max_slots, max_context=args.max_context,
                     page_size=args.page_size, num_pages=args.num_pages, token_budget=args.token_budget,
                     prefix_caching=args.prefix_caching, host_cache_pages=args.host_cache_pages,
                     max_waiting=args.max_waiting or None, decode_steps=args.decode_steps, observer=metrics,
-                    options=options, mesh=placed.get("mesh"))
+                    options=options, mesh=placed.get("mesh"), speculative_tokens=args.speculative_tokens)
     app = create_app(engine, model_id, api_key=args.api_key, chat_template=load_chat_template(checkpoint),
                      special_tokens=load_special_tokens(checkpoint), server_config=server_config,
                      metrics=metrics, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,

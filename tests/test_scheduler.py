@@ -132,3 +132,21 @@ def test_a_continuation_reserves_pages_ahead_and_defers_to_the_host():
     scheduler, pair, running = decoding(num_pages=7)  # 6 pages in use, the next call needs 2 more
     assert scheduler.continue_decode(running) is None
     assert scheduler.preemptions == 0 and scheduler.running == pair
+
+
+def test_speculative_calls_reserve_every_position_a_round_may_write():
+    """With N-token speculation a decode step writes up to N + 1 positions (the pending token and
+    N drafts): plans and continuations reserve that much, never past a sequence's allowed length."""
+    scheduler = make(num_pages=64, steps=2, positions_per_step=3)
+    long, short = sequence("long", 6, max_new=40), sequence("short", 6, max_new=5, first=100)
+    for seq in (long, short):
+        scheduler.add(seq)
+    scheduler.admit()
+    finish_prefill(scheduler, scheduler.plan())
+    running = scheduler.plan()
+    assert isinstance(running, DecodePlan) and running.steps == 2
+    assert len(long.pages) * PAGE >= 6 + 2 * 3 and len(short.pages) * PAGE >= 6 + 4
+    assert len(short.pages) == -(-(6 + 4) // PAGE)  # 4 tokens still allowed: no more than that
+    following = scheduler.continue_decode(running)
+    assert following.sequences == [long, short]
+    assert len(long.pages) * PAGE >= 6 + (2 + 2) * 3 and len(short.pages) == -(-(6 + 4) // PAGE)

@@ -174,7 +174,7 @@ def test_tool_round_trip_through_the_api_on_the_real_engine(tiny_config):
     eos = tokenizer.token_to_id("<|endoftext|>")
     config = tiny_config.replace(num_mtp_layers=0, eos_token_ids=[eos], vocab_size=154_856)
     engine = Engine(config, perturbed_params(config, 7), tokenizer, max_slots=2, max_context=1024,
-                    token_budget=128, seed=0)
+                    token_budget=16, seed=0)
     app = create_app(engine, "glm", chat_template=template)
     question = [{"role": "user", "content": "Use Fahrenheit from now on."}]
     no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}

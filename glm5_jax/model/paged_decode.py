@@ -147,30 +147,39 @@ def _has_dsa(config: ModelConfig, stack: str) -> bool:
     return any(config.attention_types[i] != "sliding_window" for i in _stack_layers(config, stack))
 
 
-def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None):
+def _cache_stacks(config: ModelConfig, mtp: bool) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """{stack: (layers, cached names)}; "mtp": the MTP layer (one DSA layer), when asked."""
+    with_keys, without = ("latent", "k_rope", "index_keys"), ("latent", "k_rope")
+    stacks = {stack: (size, with_keys if _has_dsa(config, stack) else without)
+              for stack, size in _stack_sizes(config).items()}
+    if mtp:
+        if not config.num_mtp_layers:
+            raise ValueError("an MTP cache needs a model with an MTP layer (num_mtp_layers >= 1)")
+        stacks["mtp"] = (1, with_keys)
+    return stacks
+
+
+def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None, mtp: bool = False):
     """Zeroed page pool: {stack: {"latent": [L * P, page, Rkv], "k_rope": [L * P, page, rope],
     "index_keys": [L * P, page, H] (stacks with a DSA layer only)}}. dtype: the cache's (pass
-    the step's options.compute_dtype; None = the default options' float32)."""
+    the step's options.compute_dtype; None = the default options' float32). mtp: add the MTP
+    layer's stack "mtp" (speculative decoding's draft; pages hold it like any other layer)."""
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
     dtype = dtype or ExecutionOptions().compute_dtype
     widths = {"latent": config.kv_lora_rank, "k_rope": config.qk_rope_head_dim,
               "index_keys": config.index_head_dim}
-    cache = {}
-    for stack, size in _stack_sizes(config).items():
-        names = ("latent", "k_rope", "index_keys") if _has_dsa(config, stack) else ("latent", "k_rope")
-        cache[stack] = {name: jnp.zeros((size * num_pages, page_size, widths[name]), dtype) for name in names}
-    return cache
+    return {stack: {name: jnp.zeros((size * num_pages, page_size, widths[name]), dtype) for name in names}
+            for stack, (size, names) in _cache_stacks(config, mtp).items()}
 
 
-def paged_cache_bytes_per_page(config: ModelConfig, page_size: int, dtype=None) -> int:
-    """Bytes one page occupies across all layers."""
+def paged_cache_bytes_per_page(config: ModelConfig, page_size: int, dtype=None, mtp: bool = False) -> int:
+    """Bytes one page occupies across all layers (and the MTP layer's stack when mtp)."""
     itemsize = jnp.dtype(dtype or ExecutionOptions().compute_dtype).itemsize
-    total = 0
-    for stack, size in _stack_sizes(config).items():
-        width = config.kv_lora_rank + config.qk_rope_head_dim
-        width += config.index_head_dim if _has_dsa(config, stack) else 0
-        total += size * width
+    widths = {"latent": config.kv_lora_rank, "k_rope": config.qk_rope_head_dim,
+              "index_keys": config.index_head_dim}
+    stacks = _cache_stacks(config, mtp).values()
+    total = sum(size * sum(widths[name] for name in names) for size, names in stacks)
     return total * page_size * itemsize
 
 
@@ -346,22 +355,25 @@ def _group_context(backend, q_absorbed, q_rope, layer_cache, tables, query_posit
                                key_positions, scale)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "options", "block_pages"), donate_argnames=("cache",))
-def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows, *,
-               options: ExecutionOptions | None = None, block_pages: int = 8):
-    """Runs one step's tokens through the model on the paged cache.
+class _Geometry(NamedTuple):
+    """Where a step's flat tokens sit: their positions, cache slots and row groups."""
 
-    batch: a `StepBatch`; sample_rows: [S] int32, indices into the flat token batch (decode
-    tokens, then the chunk rows' tokens) whose logits are wanted. options: ExecutionOptions
-    (None = defaults: float32, reference attention); its compute_dtype, decode_attention_impl
-    and MoE fields apply. Returns (logits [S, vocab] float32, cache).
-    """
-    options = options or ExecutionOptions()
-    dtype = options.compute_dtype
-    tokens = jnp.concatenate([batch.decode_tokens, batch.chunk_tokens.reshape(-1)])
+    groups: tuple[_Group, ...]
+    tables: jax.Array  # [Gd + Gc, W]
+    positions: jax.Array  # [T] (-1 = padding)
+    valid: jax.Array  # [T] bool
+    page_index: jax.Array  # [T]: the page (of layer 0) each token's cache entry goes to
+    row: jax.Array  # [T]: its row in that page
+    group_positions: tuple[jax.Array, ...]  # per group [B, T]
+    topk: int
+    dense: jax.Array  # bool: every query has at most index_topk causal keys
+    num_pages: int
+    block_pages: int
+
+
+def _geometry(config: ModelConfig, cache, batch: StepBatch, block_pages: int) -> _Geometry:
     positions = jnp.concatenate([batch.decode_positions, batch.chunk_positions.reshape(-1)])
     tables = batch.block_tables
-    num_pages = paged_cache_num_pages(config, cache)
     page_size = next(iter(cache.values()))["latent"].shape[1]
     groups = _groups(batch)
     if tables.shape[1] % block_pages:
@@ -370,104 +382,164 @@ def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows
     # Each flat token's block-table row, then the page and row its new cache entry goes to.
     table_row = jnp.concatenate([jnp.repeat(jnp.arange(g.rows) + g.table_start, g.q_len) for g in groups]) \
         if groups else jnp.zeros((0,), jnp.int32)
-    valid = positions >= 0
     page_index = tables[table_row, jnp.maximum(positions, 0) // page_size]
-    row = jnp.maximum(positions, 0) % page_size
-    group_positions = [_split(positions, g) for g in groups]
-    topk = min(config.index_topk, tables.shape[1] * page_size)
-    # Every query has at most index_topk causal keys: DSA would select them all.
-    dense = jnp.max(positions) < config.index_topk
-    backend = options.decode_attention_impl
+    return _Geometry(groups, tables, positions, positions >= 0, page_index,
+                     jnp.maximum(positions, 0) % page_size, tuple(_split(positions, g) for g in groups),
+                     min(config.index_topk, tables.shape[1] * page_size),
+                     jnp.max(positions) < config.index_topk, paged_cache_num_pages(config, cache),
+                     block_pages)
+
+
+def _run_stack(config: ModelConfig, options: ExecutionOptions, geo: _Geometry, stack_params, pools, x,
+               selections, kinds: _StackKinds, ffn: str):
+    """Scans one stack of layers over the step's tokens. stack_params: layer params with a
+    leading [L] axis; pools: the stack's flat cache {name: [L * P, page, F]}; x: [T, 1, D];
+    selections: per group [B, T, k] (IndexShare's previous selection). Returns (x, selections, pools)."""
+    dtype, backend, block_pages = options.compute_dtype, options.decode_attention_impl, geo.block_pages
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-    nope_dim = config.qk_nope_head_dim
+    nope_dim, groups, num_pages = config.qk_nope_head_dim, geo.groups, geo.num_pages
+    has_dsa = kinds.mode != "window"
+    num_layers = kinds.run.shape[0]
+    dropped = num_layers * num_pages  # out of range: padding writes are dropped
 
+    def layer_step(carry, layer_inputs):
+        x, previous, layer_cache = carry
+        layer, layer_index, run_flag, sliding_flag = layer_inputs
+        offset = layer_index * num_pages
+        write_index = jnp.where(geo.valid, geo.page_index + offset, dropped)
+        group_tables = [geo.tables[g.table_start:g.table_start + g.rows] + offset for g in groups]
+        normed = rms_norm(x, layer["input_norm"]["scale"], config.rms_norm_eps)
+        w, impl = layer["attention"], options.quantized_matmul
+        # Weights are cast per product (glm5_jax.quant.matmul): quantized ones may stay so.
+        matmul = functools.partial(linear, impl=impl, dtype=dtype)
+        p = _project(config, w, normed, geo.positions[:, None], matmul)
+        layer_cache = dict(layer_cache)
+        layer_cache["latent"] = _write_pages(layer_cache["latent"], p.latent[:, 0], write_index, geo.row)
+        layer_cache["k_rope"] = _write_pages(layer_cache["k_rope"], p.k_rope[:, 0], write_index, geo.row)
+        q_absorbed = head_inputs(p.q_nope, w["kv_b_proj"], 0, nope_dim, impl, dtype)[:, 0]  # [T, N, R]
+        q_rope = p.q_rope[:, 0]
+
+        selected = previous
+        if has_dsa:
+            indexer = w["indexer"]
+            keys = indexer_keys(normed, p.cos, p.sin, indexer["wk"], indexer["k_norm_scale"],
+                                indexer["k_norm_bias"], config.qk_rope_head_dim, config.index_norm_eps)
+            layer_cache["index_keys"] = _write_pages(layer_cache["index_keys"], keys[:, 0], write_index,
+                                                     geo.row)
+
+            def run():
+                queries = indexer_queries(p.q_latent, p.cos, p.sin, indexer["wq_b"],
+                                          config.qk_rope_head_dim)[:, 0]  # [T, M, H]
+                head_weights = index_head_weights(normed, indexer["weights_proj"])[:, 0]  # [T, M]
+                return tuple(_streamed_topk(_split(queries, g), _split(head_weights, g),
+                                            layer_cache["index_keys"], t, q, geo.topk, block_pages)
+                             for g, t, q in zip(groups, group_tables, geo.group_positions, strict=True))
+
+            run_now = run_flag if kinds.uniform_run is None else kinds.uniform_run
+            run_now = jnp.logical_and(run_now, jnp.logical_not(geo.dense))
+            selected = jax.lax.cond(run_now, run, lambda: previous)
+
+        def attend(key_lists):
+            """key_lists: per group [B, T, K] or None (causal) -> context [T, N, R] float32."""
+            parts = [_group_context(backend, _split(q_absorbed, g), _split(q_rope, g), layer_cache, t, q,
+                                    keys, block_pages, scale)
+                     for g, t, q, keys in zip(groups, group_tables, geo.group_positions, key_lists,
+                                              strict=True)]
+            return jnp.concatenate([c.reshape((-1,) + c.shape[2:]) for c in parts])
+
+        def dsa_context():
+            return jax.lax.cond(geo.dense, lambda: attend([None] * len(groups)), lambda: attend(selected))
+
+        def window_context():
+            return attend([_window_positions(q, config.sliding_window) for q in geo.group_positions])
+
+        if kinds.mode == "full":
+            context = dsa_context()
+        elif kinds.mode == "window":
+            context = window_context()
+        else:
+            context = jax.lax.cond(sliding_flag, window_context, dsa_context)
+        context = context.astype(dtype)[:, None]  # [T, 1, N, R]
+        out = head_outputs(context, w["kv_b_proj"], nope_dim, w["kv_b_proj"].shape[-1], impl, dtype)
+        x = x + linear(out, w["o_proj"], impl, dtype, in_ndim=2)
+        normed = rms_norm(x, layer["post_attention_norm"]["scale"], config.rms_norm_eps)
+        x = x + _feed_forward(config, options, layer, normed, ffn)
+        return (x, selected, layer_cache), None
+
+    # The scan carries the flat pools (updated in place); scanning over [L, ...] slices of them
+    # would copy the pool every step.
+    (x, selections, pools), _ = jax.lax.scan(
+        layer_step, (x, selections, pools), (stack_params, jnp.arange(num_layers), kinds.run, kinds.sliding))
+    return x, selections, pools
+
+
+def _no_selection(geo: _Geometry):
+    return tuple(jnp.full((g.rows, g.q_len, geo.topk), -1, jnp.int32) for g in geo.groups)
+
+
+def _logits(config: ModelConfig, params, hidden, dtype):
+    """Final-normed hidden [S, D] -> logits [S, V] float32 (the LM head, shared by the MTP layer)."""
+    return jnp.einsum("BD,DV->BV", hidden, params["lm_head"].astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "options", "block_pages", "with_hidden"),
+                   donate_argnames=("cache",))
+def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows, *,
+               options: ExecutionOptions | None = None, block_pages: int = 8, with_hidden: bool = False):
+    """Runs one step's tokens through the model on the paged cache.
+
+    batch: a `StepBatch`; sample_rows: [S] int32, indices into the flat token batch (decode
+    tokens, then the chunk rows' tokens) whose logits are wanted. options: ExecutionOptions
+    (None = defaults: float32, reference attention); its compute_dtype, decode_attention_impl
+    and MoE fields apply. Returns (logits [S, vocab] float32, cache), and with_hidden also the
+    final-normed hidden states of every flat token [T, D] (the MTP layer's input): (logits,
+    hidden, cache). A cache "mtp" stack (see init_paged_cache) is passed through untouched.
+    """
+    options = options or ExecutionOptions()
+    dtype = options.compute_dtype
+    tokens = jnp.concatenate([batch.decode_tokens, batch.chunk_tokens.reshape(-1)])
+    geo = _geometry(config, cache, batch, block_pages)
     x = params["embed"][tokens].astype(dtype)[:, None, :]  # [T, 1, D]: one query per flat token
-    selections = tuple(jnp.full((g.rows, g.q_len, topk), -1, jnp.int32) for g in groups)
-    new_cache = {}
+    selections = _no_selection(geo)
+    new_cache = dict(cache)
     for stack in _stack_sizes(config):
-        kinds = _stack_kinds(config, stack)
         ffn = "dense" if stack == "dense_layers" else "moe"
-        has_dsa = kinds.mode != "window"
-
-        num_layers = _stack_sizes(config)[stack]
-        # The scan carries the flat pools (updated in place); scanning over [L, ...] slices of
-        # them would copy the pool every step.
-        pools = cache[stack]
-        dropped = num_layers * num_pages  # out of range: padding writes are dropped
-
-        def layer_step(carry, layer_inputs, ffn=ffn, kinds=kinds, has_dsa=has_dsa, dropped=dropped):
-            x, previous, layer_cache = carry
-            layer, layer_index, run_flag, sliding_flag = layer_inputs
-            offset = layer_index * num_pages
-            write_index = jnp.where(valid, page_index + offset, dropped)
-            group_tables = [tables[g.table_start:g.table_start + g.rows] + offset for g in groups]
-            normed = rms_norm(x, layer["input_norm"]["scale"], config.rms_norm_eps)
-            weights = layer["attention"]
-            # Weights are cast per product (glm5_jax.quant.matmul): quantized ones may stay so.
-            w, impl = weights, options.quantized_matmul
-            p = _project(config, w, normed, positions[:, None],
-                         functools.partial(linear, impl=impl, dtype=dtype))
-            layer_cache = dict(layer_cache)
-            layer_cache["latent"] = _write_pages(layer_cache["latent"], p.latent[:, 0], write_index, row)
-            layer_cache["k_rope"] = _write_pages(layer_cache["k_rope"], p.k_rope[:, 0], write_index, row)
-            q_absorbed = head_inputs(p.q_nope, w["kv_b_proj"], 0, nope_dim, impl, dtype)[:, 0]  # [T, N, R]
-            q_rope = p.q_rope[:, 0]
-
-            selected = previous
-            if has_dsa:
-                indexer = weights["indexer"]
-                keys = indexer_keys(normed, p.cos, p.sin, indexer["wk"], indexer["k_norm_scale"],
-                                    indexer["k_norm_bias"], config.qk_rope_head_dim, config.index_norm_eps)
-                layer_cache["index_keys"] = _write_pages(layer_cache["index_keys"], keys[:, 0], write_index,
-                                                         row)
-
-                def run():
-                    queries = indexer_queries(p.q_latent, p.cos, p.sin, indexer["wq_b"],
-                                              config.qk_rope_head_dim)[:, 0]  # [T, M, H]
-                    head_weights = index_head_weights(normed, indexer["weights_proj"])[:, 0]  # [T, M]
-                    return tuple(_streamed_topk(_split(queries, g), _split(head_weights, g),
-                                                layer_cache["index_keys"], t, q, topk, block_pages)
-                                 for g, t, q in zip(groups, group_tables, group_positions, strict=True))
-
-                run_now = run_flag if kinds.uniform_run is None else kinds.uniform_run
-                run_now = jnp.logical_and(run_now, jnp.logical_not(dense))
-                selected = jax.lax.cond(run_now, run, lambda: previous)
-
-            def attend(key_lists):
-                """key_lists: per group [B, T, K] or None (causal) -> context [T, N, R] float32."""
-                parts = [_group_context(backend, _split(q_absorbed, g), _split(q_rope, g), layer_cache, t, q,
-                                        keys, block_pages, scale)
-                         for g, t, q, keys in zip(groups, group_tables, group_positions, key_lists,
-                                                  strict=True)]
-                return jnp.concatenate([c.reshape((-1,) + c.shape[2:]) for c in parts])
-
-            def dsa_context():
-                return jax.lax.cond(dense, lambda: attend([None] * len(groups)), lambda: attend(selected))
-
-            def window_context():
-                return attend([_window_positions(q, config.sliding_window) for q in group_positions])
-
-            if kinds.mode == "full":
-                context = dsa_context()
-            elif kinds.mode == "window":
-                context = window_context()
-            else:
-                context = jax.lax.cond(sliding_flag, window_context, dsa_context)
-            context = context.astype(dtype)[:, None]  # [T, 1, N, R]
-            out = head_outputs(context, w["kv_b_proj"], nope_dim, w["kv_b_proj"].shape[-1], impl, dtype)
-            x = x + linear(out, w["o_proj"], impl, dtype, in_ndim=2)
-            normed = rms_norm(x, layer["post_attention_norm"]["scale"], config.rms_norm_eps)
-            x = x + _feed_forward(config, options, layer, normed, ffn)
-            return (x, selected, layer_cache), None
-
-        (x, selections, pools), _ = jax.lax.scan(
-            layer_step, (x, selections, pools),
-            (params[stack], jnp.arange(num_layers), kinds.run, kinds.sliding))
-        new_cache[stack] = pools
-    hidden = rms_norm(x[sample_rows, 0], params["final_norm"]["scale"], config.rms_norm_eps)  # [S, D]
-    logits = jnp.einsum("BD,DV->BV", hidden, params["lm_head"].astype(dtype),
-                        preferred_element_type=jnp.float32)
+        x, selections, new_cache[stack] = _run_stack(config, options, geo, params[stack], cache[stack], x,
+                                                     selections, _stack_kinds(config, stack), ffn)
+    final_norm = params["final_norm"]["scale"]
+    logits = _logits(config, params, rms_norm(x[sample_rows, 0], final_norm, config.rms_norm_eps), dtype)
+    if with_hidden:
+        return logits, rms_norm(x[:, 0], final_norm, config.rms_norm_eps), new_cache
     return logits, new_cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "options", "block_pages"), donate_argnames=("cache",))
+def paged_mtp_step(config: ModelConfig, params, cache, batch: StepBatch, hidden, next_tokens, sample_rows, *,
+                   options: ExecutionOptions | None = None, block_pages: int = 8):
+    """The MTP layer on the paged cache's "mtp" stack: the draft of speculative decoding.
+
+    Flat token t at position p pairs hidden [T, D] (a final-normed hidden state at p: the main
+    model's, or the MTP layer's own output when drafts are chained) with next_tokens [T] (the
+    token at p + 1) and predicts the token at p + 2, as `transformer.MTPHead` does in training.
+    batch gives positions (-1 = padding: nothing written) and block tables; its token ids are
+    not used. Returns (logits [S, V] float32 and the MTP layer's final-normed output [S, D] of
+    sample_rows [S] (the `hidden` of a chained next draft), cache).
+    """
+    options = options or ExecutionOptions()
+    dtype, eps, mtp = options.compute_dtype, config.rms_norm_eps, params["mtp"]
+    geo = _geometry(config, cache, batch, block_pages)
+    embedded = params["embed"][jnp.maximum(next_tokens, 0)].astype(dtype)
+    embedded = rms_norm(embedded, mtp["enorm"]["scale"], eps)
+    previous = rms_norm(hidden.astype(dtype), mtp["hnorm"]["scale"], eps)
+    x = (jnp.concatenate([embedded, previous], axis=-1) @ mtp["eh_proj"].astype(dtype))[:, None, :]
+    layer = jax.tree.map(lambda a: a[None], mtp["layer"])  # a stack of one MoE layer that runs its indexer
+    kinds = _StackKinds("full", jnp.ones((1,), bool), jnp.zeros((1,), bool), True)
+    new_cache = dict(cache)
+    x, _, new_cache["mtp"] = _run_stack(config, options, geo, layer, cache["mtp"], x, _no_selection(geo),
+                                        kinds, "moe")
+    out = rms_norm(x[sample_rows, 0], mtp["final_norm"]["scale"], eps)
+    return _logits(config, params, out, dtype), out, new_cache
 
 
 def paged_cache_num_pages(config: ModelConfig, cache) -> int:

@@ -21,6 +21,9 @@ Supervision: a step that raises fails only the requests in it (each ends with fi
 After `max_consecutive_failures` failing steps in a row the engine stops: `failure` says why,
 `submit` raises EngineUnavailableError, and serve.py exits non-zero for its supervisor.
 A preempted request keeps its sampler state (key, token counts) and resumes exactly where it was.
+With `speculative_tokens` N > 0 a decode call whose rows are all eligible runs speculative rounds
+(`glm5_jax.serve.speculative`) and may emit up to N + 1 tokens per row and round; the rest of the
+engine is unchanged (a token is a token, whichever program produced it).
 Compilations are counted from JAX's own compile events.
 """
 
@@ -139,7 +142,7 @@ class Engine:
                  host_cache_pages: int = 0, observer: EngineObserver | None = None,
                  max_waiting: int | None = None, decode_steps: int = DEFAULT_DECODE_STEPS, options=None,
                  block_positions: int = DEFAULT_BLOCK_POSITIONS, max_consecutive_failures: int = 3,
-                 mesh=None):
+                 mesh=None, speculative_tokens: int = 0):
         if max_slots < 1 or max_context < 2:
             raise ValueError(f"max_slots ({max_slots}) must be >= 1 and max_context ({max_context}) >= 2")
         if page_size < 1:
@@ -148,6 +151,8 @@ class Engine:
             raise ValueError(f"token_budget must be >= 1 (prefill tokens per step), got {token_budget}")
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        if speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0 (0 = off), got {speculative_tokens}")
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 (or None for unbounded), got {max_waiting}")
         self.config = config
@@ -163,17 +168,19 @@ class Engine:
                              f"{self.max_pages} pages of {page_size} for max_context {self.max_context}")
         self.token_budget = token_budget
         self.decode_steps = decode_steps
+        self.speculative_tokens = speculative_tokens
         self.max_consecutive_failures = max_consecutive_failures
         self.observer = observer or EngineObserver()
         self.runner = ModelRunner(config, params, max_slots=max_slots, num_pages=num_pages,
                                   page_size=page_size, max_pages=self.max_pages, options=options,
-                                  block_positions=block_positions, mesh=mesh)
+                                  block_positions=block_positions, mesh=mesh,
+                                  speculative_tokens=speculative_tokens)
         self._host_cache_pages = host_cache_pages
         self.scheduler = Scheduler(self._new_allocator(num_pages), max_slots=max_slots,
                                    max_context=self.max_context, page_size=page_size,
                                    token_budget=token_budget,
                                    decode_steps=decode_steps, prefix_caching=prefix_caching,
-                                   max_waiting=max_waiting)
+                                   max_waiting=max_waiting, positions_per_step=speculative_tokens + 1)
         self.failure: str | None = None
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._lock = threading.Lock()  # guards the scheduler's queue between submit and the engine thread
@@ -186,6 +193,8 @@ class Engine:
         self._consecutive_failures = 0
         self.steps = 0
         self.overlapped_calls = 0  # decode calls dispatched before the previous call's tokens were read
+        # Speculative decoding: verify rounds, drafts verified, drafts accepted (since start).
+        self.speculation = np.zeros(3, np.int64)
         jax.monitoring.register_event_duration_secs_listener(self._on_duration_event)
         self._thread = threading.Thread(target=self._run, name="glm5-engine", daemon=True)
         self._thread.start()
@@ -444,11 +453,33 @@ class Engine:
     def _top_wanted(sequences) -> bool:
         return any(s.payload.stream.params.logprobs for s in sequences)
 
+    def _speculating(self, sequences) -> bool:
+        """Speculative rounds for these rows: on, and no row's sampling depends on the tokens a
+        round draws (penalties) or on the host (a grammar constraint)."""
+        def eligible(params: SamplingParams) -> bool:
+            return (params.constraint is None and params.repetition_penalty == 1.0
+                    and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
+        return self.speculative_tokens > 0 and all(eligible(s.payload.stream.params) for s in sequences)
+
     def _launch_decode(self, plan: DecodePlan, after: DecodeCall | None = None) -> DecodeCall:
-        """Dispatches the plan's decode call; a continuation (`after` the call before it, same
-        rows) takes each row's token, position and remaining count from that call's device state."""
+        """Dispatches the plan's decode call (speculative rounds when `_speculating`); a
+        continuation (`after` the call before it, same rows) takes each row's token, position
+        and remaining count from that call's device state."""
         rows = next(b for b in decode_buckets(self.max_slots) if b >= len(plan.sequences))
         inputs = self.runner.padding_decode(rows)
+        if self._speculating(plan.sequences):
+            limits = np.zeros(rows, np.int32)
+            for row, sequence in enumerate(plan.sequences):
+                inputs["tokens"][row], inputs["positions"][row] = sequence.tokens[-1], sequence.computed
+                inputs["tables"][row], inputs["slots"][row] = self.runner.table(sequence.pages), sequence.slot
+                inputs["remaining"][row] = sequence.max_new - sequence.generated
+                ids = self._stop_ids(sequence)
+                inputs["stop_ids"][row, :len(ids)] = ids
+                limits[row] = len(sequence.pages) * self.page_size
+            if after is not None:
+                inputs.update(tokens=after.tokens, positions=after.positions, remaining=after.remaining)
+            return self.runner.launch_speculative(**inputs, limits=limits, steps=plan.steps,
+                                                  top_wanted=self._top_wanted(plan.sequences))
         for row, sequence in enumerate(plan.sequences):
             inputs["tokens"][row], inputs["positions"][row] = sequence.tokens[-1], sequence.computed
             inputs["tables"][row], inputs["slots"][row] = self.runner.table(sequence.pages), sequence.slot
@@ -486,8 +517,11 @@ class Engine:
         host meanwhile, or in an earlier call, has no slot: its rows are discarded)."""
         plan = in_flight.plan
         sampled = self.runner.fetch(in_flight.call)
+        if in_flight.call.speculation is not None:
+            self.speculation += np.asarray(in_flight.call.speculation)
+            self.observer.on_speculation(*(int(c) for c in np.asarray(in_flight.call.speculation)))
         with self._lock:
-            for step in range(plan.steps):
+            for step in range(sampled.tokens.shape[0]):
                 for row, sequence in enumerate(plan.sequences):
                     token = int(sampled.tokens[step, row])
                     if token < 0 or sequence.slot is None:  # the device stopped it, or the host did
@@ -513,9 +547,17 @@ class Engine:
             batch.block_tables[row] = self.runner.table(sequence.pages)
             sample_from(sequence, row)
         targets = None  # next-token ids of the chunk tokens, when a chunk's prompt is scored
+        # Speculation: the MTP layer's input, each flat token's next token where known (the
+        # sampled ones are filled in on the device).
+        next_tokens = np.full(decode_rows + batch.chunk_tokens.size, -1, np.int32) \
+            if self.speculative_tokens else None
         for row, (sequence, count) in enumerate(plan.chunks):
             start = sequence.computed
             batch.chunk_tokens[row, :count] = sequence.tokens[start:start + count]
+            if next_tokens is not None:
+                known = sequence.tokens[start + 1:start + count + 1]
+                first = decode_rows + row * chunk_len
+                next_tokens[first:first + len(known)] = known
             batch.chunk_positions[row, :count] = np.arange(start, start + count)
             batch.block_tables[decode_rows + row] = self.runner.table(sequence.pages)
             if start + count == len(sequence.tokens) and sequence.max_new > 0:
@@ -530,7 +572,8 @@ class Engine:
             by_index[index] = sequence
         sampled, scored = self.runner.mixed_step(batch, sample_rows, slots, mask,
                                                  self._top_wanted(sampled_index),
-                                                 self._allowed(by_index, self.max_slots), targets)
+                                                 self._allowed(by_index, self.max_slots), targets,
+                                                 next_tokens)
         with self._lock:
             for sequence in plan.decodes:
                 if sequence.slot is not None:
@@ -608,6 +651,11 @@ class Engine:
                 call = runner.launch_decode(**inputs, steps=self.decode_steps)
                 inputs.update(tokens=call.tokens, positions=call.positions, remaining=call.remaining)
                 runner.fetch(runner.launch_decode(**inputs, steps=self.decode_steps))  # a continuation
+                if self.speculative_tokens:
+                    inputs, limits = runner.padding_decode(rows), np.zeros(rows, np.int32)
+                    call = runner.launch_speculative(**inputs, limits=limits, steps=self.decode_steps)
+                    inputs.update(tokens=call.tokens, positions=call.positions, remaining=call.remaining)
+                    runner.fetch(runner.launch_speculative(**inputs, limits=limits, steps=self.decode_steps))
             for geometry in chunk_geometries(self.token_budget):
                 unused = np.zeros(self.max_slots, np.int32)
                 mask = np.zeros(self.max_slots, bool)

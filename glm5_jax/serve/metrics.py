@@ -75,6 +75,13 @@ class ServerMetrics(EngineObserver):
                                   "(device or host)")
         self.hit_rate = gauge("prefix_cache_hit_rate", "hit tokens / looked-up tokens since the start")
         self.preemptions = counter("preemptions", "Requests that lost their cache pages and were requeued")
+        # engine: speculative decoding (vLLM's spec_decode_num_* counters)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verify rounds (one per row "
+                                   "and round)")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted "
+                                            "(acceptance rate = accepted / draft tokens; mean acceptance "
+                                            "length = 1 + accepted / drafts)")
         # engine: occupancy
         self.pages_used = gauge("cache_pages_used", "Device cache pages in use")
         self.pages_total = gauge("cache_pages_total", "Device cache pages in all")
@@ -109,6 +116,11 @@ class ServerMetrics(EngineObserver):
 
     def on_preempted(self, request_id: str) -> None:
         self.preemptions.inc()
+
+    def on_speculation(self, rounds: int, drafted: int, accepted: int) -> None:
+        self.spec_drafts.inc(rounds)
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted_tokens.inc(accepted)
 
     def on_prefix_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
         self.lookup_tokens.inc(prompt_tokens)

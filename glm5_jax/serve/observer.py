@@ -33,3 +33,7 @@ class EngineObserver:
     def on_step(self, pages_used: int, pages_total: int, host_pages_used: int, running: int, waiting: int,
                 compile_count: int) -> None:
         """One engine step ran; a snapshot of cache occupancy and queue sizes."""
+
+    def on_speculation(self, rounds: int, drafted: int, accepted: int) -> None:
+        """A speculative decode call finished: verify rounds (rows x rounds), drafts verified and
+        drafts accepted in it (mean acceptance length = (accepted + rounds) / rounds)."""

@@ -8,6 +8,8 @@ device programs the engine calls (no scheduling decisions).
   once. Pages for those steps are reserved by the scheduler beforehand. `launch_decode` only
   dispatches (the engine prepares the next call meanwhile); a continuation starts from the
   previous call's device state, so back-to-back calls need no host round trip in between.
+- `launch_speculative`: the same, in rounds of MTP speculative decoding (glm5_jax/serve/
+  speculative.py): the MTP layer drafts, one chunk per row verifies, up to N + 1 tokens per round.
 Shapes come from a few fixed buckets (decode rows: powers of two up to max_slots; chunk
 geometries of one token budget; block tables padded to max_pages), so steady state compiles
 nothing.
@@ -36,20 +38,24 @@ from glm5_jax.parallel import constrain
 from glm5_jax.parallel.sharding import SERVING_RULES, activate, replicated, serving_param_shardings
 from glm5_jax.serve.grammar import ALL_ALLOWED, apply_allowed_bits, bitmask_words
 from glm5_jax.serve.sampling import SamplingState, init_sampling_state, sample, set_slot
+from glm5_jax.serve.speculative import DraftState, init_draft_state, mtp_after_step, speculative_loop
 from glm5_jax.serve.types import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_IDS = 16  # stop token ids the device checks per row (the host re-checks all of them)
 
 
 class DecodeCall(NamedTuple):
-    """A dispatched `decode_loop` (JAX dispatch is asynchronous: nothing waits for it here).
-    outputs: device arrays [steps, R] (see Sampled); tokens, positions, remaining [R]: the loop's
-    final state on the device, where a continuation call starts without a host round trip."""
+    """A dispatched `decode_loop` or `speculative_loop` (JAX dispatch is asynchronous: nothing
+    waits for it here). outputs: device arrays [steps, R] (see Sampled; [steps * (N + 1), R] for
+    N-draft speculation, -1 where a round emitted fewer); tokens, positions, remaining [R]: the
+    loop's final state on the device, where a continuation call starts without a host round
+    trip; speculation: [3] int32 (verify rounds, drafts verified, drafts accepted) or None."""
 
     outputs: tuple
     tokens: jax.Array
     positions: jax.Array
     remaining: jax.Array
+    speculation: jax.Array | None = None
 
 
 class Scored(NamedTuple):
@@ -104,21 +110,31 @@ def _score(logits, targets):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "options", "block_pages"),
-                   donate_argnames=("cache", "state"))
+                   donate_argnames=("cache", "state", "drafts"))
 def _mixed_step(config, params, cache, state, batch: StepBatch, sample_rows, slots, mask, top_wanted,
-                allowed, targets, *, options, block_pages):
+                allowed, targets, drafts, next_tokens, *, options, block_pages):
     """One step. targets: None, or [Gc * Qc] int32 next-token ids of the chunk tokens (-1 =
-    none) to score every chunk token's logits against (prompt log-probabilities)."""
+    none) to score every chunk token's logits against (prompt log-probabilities). drafts: None,
+    or the DraftState of speculative decoding, with next_tokens [T] (each flat token's next
+    token where the host knows it, else -1): the MTP layer then runs over the step's tokens
+    (`speculative.mtp_after_step`) and draws the sampled slots' first drafts."""
     rows = sample_rows
     if targets is not None:
         chunk_rows = batch.decode_tokens.shape[0] + jnp.arange(targets.shape[0], dtype=jnp.int32)
         rows = jnp.concatenate([sample_rows, chunk_rows])
-    logits, cache = paged_step(config, params, cache, batch, rows, options=options, block_pages=block_pages)
+    logits, hidden, cache = paged_step(config, params, cache, batch, rows, options=options,
+                                       block_pages=block_pages, with_hidden=True)
     sampled = sample_rows.shape[0]
     tokens, logprobs, top_ids, top_logprobs, state = _sample_slots(logits[:sampled], state, slots, mask,
                                                                    top_wanted, allowed)
     scores = None if targets is None else _score(logits[sampled:], targets)
-    return (tokens, logprobs, top_ids, top_logprobs), scores, cache, state
+    if drafts is not None:
+        sampled_rows = jnp.where(mask, sample_rows, next_tokens.shape[0])  # out of range: dropped
+        next_tokens = next_tokens.at[sampled_rows].set(tokens, mode="drop")
+        cache, drafts = mtp_after_step(config, params, cache, drafts, _rows_of(state, slots), batch, hidden,
+                                       next_tokens, sample_rows, slots, mask, options=options,
+                                       block_pages=block_pages)
+    return (tokens, logprobs, top_ids, top_logprobs), scores, cache, state, drafts
 
 
 @functools.partial(jax.jit, static_argnames=("config", "options", "block_pages", "steps"),
@@ -177,8 +193,12 @@ class ModelRunner:
 
     def __init__(self, config: ModelConfig, params, *, max_slots: int, num_pages: int, page_size: int,
                  max_pages: int, options=None, block_positions: int = DEFAULT_BLOCK_POSITIONS,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, speculative_tokens: int = 0):
+        if speculative_tokens and not config.num_mtp_layers:
+            raise ValueError("speculative decoding drafts with the model's MTP layer, and this model has "
+                             "none (num_mtp_layers = 0): serve it with speculative_tokens 0")
         self.config = config
+        self.speculative_tokens = speculative_tokens
         self.mesh = mesh
         if mesh is not None:
             params = jax.device_put(params, serving_param_shardings(config, mesh, params))
@@ -190,9 +210,7 @@ class ModelRunner:
         # Table width: whole streamed blocks, so the last block never reads past the table.
         self.table_width = -(-max_pages // self.block_pages) * self.block_pages
         self.num_pages = num_pages
-        self.cache = self._place(init_paged_cache(config, num_pages, page_size,
-                                                  options and options.compute_dtype))
-        self.sampling = self._place(init_sampling_state(max_slots, config.vocab_size))
+        self.reset()
 
     def _place(self, tree):
         return tree if self.mesh is None else jax.device_put(tree, replicated(self.mesh))
@@ -251,17 +269,23 @@ class ModelRunner:
 
     def mixed_step(self, batch: StepBatch, sample_rows: np.ndarray, slots: np.ndarray,
                    mask: np.ndarray, top_wanted: bool = True, allowed: np.ndarray | None = None,
-                   targets: np.ndarray | None = None) -> tuple[Sampled, Scored | None]:
+                   targets: np.ndarray | None = None, next_tokens: np.ndarray | None = None
+                   ) -> tuple[Sampled, Scored | None]:
         """One step; samples rows sample_rows [R] of the flat batch for `slots` [R] where mask,
         each from the tokens its row of `allowed` (a bitmask, None = all) permits. With targets
         [Gc * Qc] (next-token ids of the chunk tokens, -1 = none) the chunk tokens are scored
-        too (a separate compiled step, used only for prompt log-probabilities)."""
+        too (a separate compiled step, used only for prompt log-probabilities). With speculative
+        decoding on, next_tokens [T] (each flat token's next token where known, else -1; None =
+        none known) feed the MTP layer, which drafts for the sampled slots."""
         allowed = self.free_bits(len(sample_rows)) if allowed is None else allowed
+        if self.drafts is not None and next_tokens is None:
+            next_tokens = np.full(batch.decode_tokens.size + batch.chunk_tokens.size, -1, np.int32)
         with self._on_mesh():
-            outputs, scores, self.cache, self.sampling = _mixed_step(
+            outputs, scores, self.cache, self.sampling, self.drafts = _mixed_step(
                 self.config, self.params, self.cache, self.sampling, jax.tree.map(jnp.asarray, batch),
                 jnp.asarray(sample_rows), jnp.asarray(slots), jnp.asarray(mask), jnp.asarray(top_wanted),
-                jnp.asarray(allowed), None if targets is None else jnp.asarray(targets),
+                jnp.asarray(allowed), None if targets is None else jnp.asarray(targets), self.drafts,
+                None if self.drafts is None else jnp.asarray(next_tokens),
                 options=self.options, block_pages=self.block_pages)
         scored = None if scores is None else Scored(*(np.asarray(a) for a in scores))
         return Sampled(*(np.asarray(a) for a in outputs)), scored
@@ -279,6 +303,20 @@ class ModelRunner:
                 options=self.options, block_pages=self.block_pages, steps=steps)
         return DecodeCall(outputs, tokens, positions, remaining)
 
+    def launch_speculative(self, tokens, positions, tables, limits, slots, remaining, stop_ids, steps: int,
+                           top_wanted: bool = True) -> DecodeCall:
+        """Dispatches `speculative.speculative_loop` (`steps` rounds of speculative_tokens drafts)
+        and returns at once; inputs as `launch_decode`, plus limits [R]: the positions each row's
+        pages cover. Rows must be eligible (no penalties, no constraint: see speculative.py)."""
+        with self._on_mesh():
+            outputs, (tokens, positions, remaining), counts, self.cache, self.sampling, self.drafts = \
+                speculative_loop(self.config, self.params, self.cache, self.sampling, self.drafts,
+                                 *(jnp.asarray(a) for a in (tokens, positions, tables, limits, slots,
+                                                            remaining, stop_ids, top_wanted)),
+                                 options=self.options, block_pages=self.block_pages, steps=steps,
+                                 num_drafts=self.speculative_tokens)
+        return DecodeCall(outputs, tokens, positions, remaining, counts)
+
     @staticmethod
     def fetch(call: DecodeCall) -> Sampled:
         """Waits for a dispatched call; its [steps, R] outputs as host arrays."""
@@ -293,7 +331,7 @@ class ModelRunner:
     def cache_lost(self) -> bool:
         """True when a failed step consumed (donated) the page pool or the sampler state, or left
         them holding an error (a call that failed on the device after dispatch)."""
-        leaves = jax.tree.leaves(self.cache) + jax.tree.leaves(self.sampling)
+        leaves = jax.tree.leaves((self.cache, self.sampling, self.drafts))
         if any(leaf.is_deleted() for leaf in leaves):
             return True
         try:
@@ -303,10 +341,14 @@ class ModelRunner:
         return False
 
     def reset(self) -> None:
-        """Fresh page pool and sampler state (after a failure destroyed them)."""
-        self.cache = self._place(init_paged_cache(self.config, self.num_pages, self.page_size,
-                                                  self.options and self.options.compute_dtype))
-        self.sampling = self._place(init_sampling_state(self.max_slots, self.config.vocab_size))
+        """Fresh page pool, sampler state and draft state (at start, and after a failure destroyed them)."""
+        config = self.config
+        self.cache = self._place(init_paged_cache(config, self.num_pages, self.page_size,
+                                                  self.options and self.options.compute_dtype,
+                                                  mtp=bool(self.speculative_tokens)))
+        self.sampling = self._place(init_sampling_state(self.max_slots, config.vocab_size))
+        self.drafts: DraftState | None = self._place(init_draft_state(
+            self.max_slots, config.vocab_size, config.hidden_size)) if self.speculative_tokens else None
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

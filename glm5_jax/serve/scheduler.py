@@ -86,7 +86,7 @@ class Scheduler:
 
     def __init__(self, pages: PageAllocator, *, max_slots: int, max_context: int, page_size: int,
                  token_budget: int, decode_steps: int = 1, prefix_caching: bool = True,
-                 max_waiting: int | None = None):
+                 max_waiting: int | None = None, positions_per_step: int = 1):
         if token_budget < 1 or decode_steps < 1:
             raise ValueError(f"token_budget ({token_budget}) and decode_steps ({decode_steps}) must be >= 1")
         self.pages = pages
@@ -95,6 +95,9 @@ class Scheduler:
         self.page_size = page_size
         self.token_budget = token_budget
         self.decode_steps = decode_steps
+        # Cache positions one decode step may write: 1, or N + 1 with N-token speculation (a
+        # verify round writes the pending token and N drafts, whatever it accepts).
+        self.positions_per_step = positions_per_step
         self.prefix_caching = prefix_caching
         self.max_waiting = max_waiting
         self.geometries = chunk_geometries(token_budget)
@@ -190,9 +193,11 @@ class Scheduler:
             steps = self.decode_steps
             for sequence in list(self.running):
                 if sequence in self.running:
-                    # Positions this call may write: one per step, at most one per token still allowed.
+                    # Positions this call may write: positions_per_step per step, at most one per
+                    # token still allowed (the device writes nothing past a row's pages).
                     allowed = sequence.max_new - sequence.generated
-                    self._grow(sequence, sequence.computed + min(steps, allowed), preempted)
+                    self._grow(sequence, sequence.computed + min(steps * self.positions_per_step, allowed),
+                               preempted)
             if self.running:
                 return DecodePlan(list(self.running), steps, preempted)
             return None
@@ -231,8 +236,9 @@ class Scheduler:
             return None
         ends = []
         for sequence in plan.sequences:
-            allowed = sequence.max_new - sequence.generated - plan.steps
-            ends.append(sequence.computed + plan.steps + max(0, min(self.decode_steps, allowed)))
+            allowed = sequence.max_new - sequence.generated
+            ends.append(sequence.computed + min((plan.steps + self.decode_steps) * self.positions_per_step,
+                                                max(allowed, plan.steps)))
         if all(s.max_new - s.generated <= plan.steps for s in plan.sequences):
             return None
         needed = sum(max(0, -(-end // self.page_size) - len(s.pages))
