@@ -7,7 +7,7 @@ requests preempt each other, twice (the second round hits the prefix cache). Pri
 object per mesh ("1" = one device): the greedy completions' tokens and log-probs, and what
 was checked.
 
-    python tests/serve_mesh_checks.py "tensor=2,expert=4" "expert=8" "tensor=2,expert=4@fp8"
+    python tests/serve_mesh_checks.py "expert=8" "tensor=2,expert=4@fp8"
 
 A mesh suffixed "@fp8" serves weights quantized by the fp8 recipe (128x128 block scales), split
 as serve.py --mesh --quantize fp8 splits them; it is compared with one device serving the same

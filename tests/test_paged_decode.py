@@ -75,7 +75,6 @@ def paged_logits(config, params, sequences, chunk, options=None):
 
 
 @pytest.mark.parametrize("variant,options,chunk", [
-    (dict(), None, (5, 1, 3)),
     (dict(attention_types=["dsa", "sliding_window", "dsa", "sliding_window"], sliding_window=5,
           indexer_types=["full", "full", "shared", "full"]), None, (8, 3, 2)),
     (dict(num_layers=2, indexer_types=["full"] * 2, attention_types=["sliding_window"] * 2,

@@ -18,8 +18,9 @@ from glm5_jax.parallel.mesh import MeshError, MeshSpec, check_model_fits
 from glm5_jax.parallel.pipeline import bubble_fraction, default_microbatches
 
 ROOT = Path(__file__).resolve().parents[1]
-MESHES = ["data=8", "fsdp=2,tensor=2,expert=2", "data=2,expert=4", "pipeline=2,data=2,expert=2",
-          "pipeline=4,fsdp=2"]
+# data x expert alone runs in VARIANTS (capacity factor, ragged dispatch); fsdp x tensor x expert
+# covers dropless expert parallelism here.
+MESHES = ["data=8", "fsdp=2,tensor=2,expert=2", "pipeline=2,data=2,expert=2", "pipeline=4,fsdp=2"]
 VARIANTS = ["data=2,expert=4@cf=1", "fsdp=2,tensor=2,expert=2@step", "data=2,expert=4@ragged",
             "fsdp=2,tensor=2,expert=2@pallas"]
 RTOL = 1e-5
