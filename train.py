@@ -16,6 +16,9 @@ The config file's `get_config()` returns an ml_collections ConfigDict with these
                clip_grad_norm, z_loss_weight, mtp_loss_weight, balance_loss_weight,
                router_bias_update_rate, log_every, eval_every, eval_batches, checkpoint_every,
                keep_checkpoints, max_bad_steps, seed
+  fine-tuning  init_from (an HF checkpoint or train.py run directory: its architecture, weights
+               and tokenizer; config.model may be omitted, fields it gives must agree),
+               trainable / frozen (parameter-path patterns, e.g. ("*experts*",))
 The workdir (default runs/<config name>) receives checkpoints/, metrics.jsonl, tokenizer.json
 and run_config.json. Re-running the same command resumes from the latest checkpoint.
 SIGTERM or Ctrl-C saves a checkpoint and exits; SIGKILL never corrupts the latest checkpoint.
@@ -32,6 +35,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -43,9 +47,11 @@ from glm5_jax.model.count import count_params
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.parallel import sharding as sharding_lib
 from glm5_jax.parallel.mesh import MeshError, MeshSpec, initialize_distributed, make_mesh
+from glm5_jax.runs import RunNotFoundError
+from glm5_jax.train import init_from as init_from_lib
 from glm5_jax.train.checkpoints import RunCheckpoints
 from glm5_jax.train.metrics import MetricsLog
-from glm5_jax.train.optimizer import learning_rate_schedule, make_optimizer
+from glm5_jax.train.optimizer import learning_rate_schedule, make_optimizer, trained_names
 from glm5_jax.train.settings import TrainSettings
 from glm5_jax.train.step import (
     init_train_state,
@@ -104,9 +110,15 @@ def main(argv):
     config = _CONFIG.value
     config_name = Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem
     try:
-        model_config = ModelConfig.from_dict(config.model)
-        options = ExecutionOptions.from_dict(config.get("execution"))
         settings = TrainSettings.from_config(config)
+        if settings.init_from:  # the architecture is the checkpoint's; the run records all of it
+            model_config = init_from_lib.merge_architecture(
+                config.get("model"), init_from_lib.checkpoint_architecture(settings.init_from))
+            with config.unlocked():
+                config.model = ml_collections.ConfigDict(model_config.to_dict())
+        else:
+            model_config = ModelConfig.from_dict(config.model)
+        options = ExecutionOptions.from_dict(config.get("execution"))
         sources = [data_lib.source_spec_from_dict(dict(s)) for s in config.data.sources]
         # config.mesh (optional): axis sizes; config.sharding_rules: logical axis overrides.
         mesh = None
@@ -118,15 +130,20 @@ def main(argv):
                                  f"{jax.process_count()} hosts")
     except (ConfigError, MeshError, ValueError) as error:
         raise SystemExit(f"error: bad config: {error}") from None
+    except (RunNotFoundError, FileNotFoundError) as error:
+        raise SystemExit(f"error: {error}") from None
     workdir = prepare_workdir(_WORKDIR.value or f"runs/{config_name}")
     run_config = config.to_dict()
     (workdir / "run_config.json").write_text(json.dumps(run_config, indent=2))
 
     # ---------------------------------------------------------------- tokenizer and data
     try:
-        tokenizer = data_lib.load_or_train_tokenizer(
-            config.data.tokenizer_path or None, sources, config.data.vocab_size,
-            str(Path(config.data.cache_dir).expanduser()) if config.data.cache_dir else str(workdir))
+        if settings.init_from:  # the checkpoint's own tokenizer
+            tokenizer = init_from_lib.load_tokenizer(settings.init_from)
+        else:
+            tokenizer = data_lib.load_or_train_tokenizer(
+                config.data.tokenizer_path or None, sources, config.data.vocab_size,
+                str(Path(config.data.cache_dir).expanduser()) if config.data.cache_dir else str(workdir))
         data_lib.check_vocab_fits(tokenizer, model_config.vocab_size)
     except (FileNotFoundError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
@@ -149,7 +166,20 @@ def main(argv):
     resume_step = checkpoints.latest_step()
     make_state = lambda: init_train_state(  # noqa: E731
         init_params(model_config, settings.seed, options=options), optimizer)
-    if resume_step is None:
+    if resume_step is None and settings.init_from:  # fine-tuning: the weights, a fresh optimizer
+        param_shardings = None if mesh is None else train_state_shardings(
+            model_config, optimizer, mesh, rules, options=options).params
+        try:
+            params, _ = init_from_lib.initial_weights(
+                settings.init_from, model_config, options,
+                None if mesh is None else lambda *_, **__: param_shardings)
+        except (ConfigError, FileNotFoundError) as error:
+            raise SystemExit(f"error: {error}") from None
+        state = init_train_state(params, optimizer)
+        trained = trained_names(params, settings)
+        print(f"initialised from {settings.init_from}; training {len(trained)} of "
+              f"{len(jax.tree.leaves(params))} parameter arrays", flush=True)
+    elif resume_step is None:
         if mesh is None:
             state = make_state()
         else:  # initialise each shard where it lives (a large model never exists on one device)

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 import glm5_jax
+from glm5_jax.checkpoint.hf_io import read_config
+from glm5_jax.model import ModelConfig
 from glm5_jax.runs import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,8 +96,19 @@ def test_exact_resume_after_sigkill_and_sigterm(tmp_path, data_glob, uninterrupt
     assert got == expected
 
 
+@pytest.fixture(scope="module")
+def exported(uninterrupted, tmp_path_factory):
+    """The run exported to an HF checkpoint directory."""
+    output = tmp_path_factory.mktemp("exported") / "hf"
+    result = subprocess.run([sys.executable, "-m", "glm5_jax.export", "--workdir",
+                             str(uninterrupted), "--output", str(output)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return output
+
+
 @pytest.mark.xdist_group("train_cli_run")
-def test_generate_and_export_from_the_run(uninterrupted, tmp_path):
+def test_generate_and_export_from_the_run(uninterrupted, exported):
     result = subprocess.run(
         [sys.executable, "-m", "glm5_jax.generate", "--checkpoint", str(uninterrupted),
          "--prompt", "def ", "--max-new-tokens", "4", "--seed", "1"],
@@ -103,11 +116,7 @@ def test_generate_and_export_from_the_run(uninterrupted, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def ")
 
-    output = tmp_path / "exported"
-    result = subprocess.run([sys.executable, "-m", "glm5_jax.export", "--workdir",
-                             str(uninterrupted), "--output", str(output)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    output = exported
     assert (output / "tokenizer.json").exists() and (output / "config.json").exists()
     run_config, run_params = load_run(uninterrupted)
     hf_config, hf_params = glm5_jax.load_pretrained(output)
@@ -148,3 +157,33 @@ def test_non_finite_steps_stop_the_run(tmp_path, data_glob):
     assert "consecutive non-finite steps" in result.stderr + result.stdout
     assert "update skipped" in result.stdout
 
+
+
+def validation_losses(workdir) -> dict[int, float]:
+    lines = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: line["val_loss"] for line in lines if "val_loss" in line}
+
+
+@pytest.mark.xdist_group("train_cli_run")
+def test_fine_tuning_starts_from_an_hf_checkpoint_and_resumes(uninterrupted, exported, tmp_path, data_glob):
+    """init_from an HF checkpoint: its architecture (config.model may only agree), weights and
+    tokenizer; the optimizer starts fresh; re-running resumes the fine-tuning run, not the init."""
+    workdir = tmp_path / "tuned"
+    tune = (f"--config.init_from={exported}", "--config.num_train_steps=2", "--config.checkpoint_every=2")
+    result = run_train(workdir, data_glob, *tune)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"initialised from {exported}" in result.stdout
+    # Step 0 evaluates the loaded weights: the source run's last validation loss, exactly.
+    source = validation_losses(uninterrupted)
+    assert validation_losses(workdir)[0] == source[max(source)]
+    assert (workdir / "tokenizer.json").read_text() == (exported / "tokenizer.json").read_text()
+    recorded = json.loads((workdir / "run_config.json").read_text())["model"]  # the whole architecture
+    assert ModelConfig.from_dict(recorded) == read_config(exported)
+    result = run_train(workdir, data_glob, *tune[:1], "--config.num_train_steps=3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resuming at step 2" in result.stdout and "initialised from" not in result.stdout
+    assert sorted(losses(workdir)) == [1, 2, 3]
+    # A config that disagrees with the checkpoint's architecture is refused, naming the field.
+    result = run_train(tmp_path / "bad", data_glob, tune[0], "--config.model.num_layers=3")
+    assert result.returncode != 0
+    assert "num_layers (config 3, checkpoint 2)" in result.stdout + result.stderr

@@ -27,4 +27,6 @@ def get_config(data_glob: str = "") -> ml_collections.ConfigDict:
     config.checkpoint_every = 4
     config.keep_checkpoints = 2
     config.max_bad_steps = 2
+    config.init_from = ""  # fine-tuning: set by --config.init_from=PATH
+    config.frozen = ()
     return config

@@ -1,10 +1,14 @@
 """AdamW with linear warmup and cosine decay, global-norm clipping, and a weight-decay mask.
 
 The router's selection bias is not trained by gradients (it is moved by the load-balancing
-rule in step.py), so the optimizer leaves it alone entirely.
+rule in step.py), so the optimizer leaves it alone entirely, as it does every parameter a
+fine-tuning config freezes (`TrainSettings.trainable` / `frozen`): frozen parameters get no
+update and no optimizer state (no Adam moments).
 """
 
 from __future__ import annotations
+
+import fnmatch
 
 import jax
 import optax
@@ -17,6 +21,24 @@ FROZEN_LEAVES = ("router_bias",)
 
 def _leaf_name(path) -> str:
     return str(getattr(path[-1], "key", path[-1]))
+
+
+def param_path(path) -> str:
+    """A parameter's "/"-joined path, e.g. "moe_layers/moe/gate_proj" (what patterns match)."""
+    return "/".join(str(getattr(key, "key", key)) for key in path)
+
+
+def is_trained(path, settings: TrainSettings) -> bool:
+    """Whether the optimizer updates the parameter at `path` (a tree path)."""
+    name = param_path(path)
+    if _leaf_name(path) in FROZEN_LEAVES or any(fnmatch.fnmatchcase(name, p) for p in settings.frozen):
+        return False
+    return not settings.trainable or any(fnmatch.fnmatchcase(name, p) for p in settings.trainable)
+
+
+def trained_names(params, settings: TrainSettings) -> list[str]:
+    return [param_path(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)
+            if is_trained(path, settings)]
 
 
 def learning_rate_schedule(settings: TrainSettings) -> optax.Schedule:
@@ -33,7 +55,7 @@ def make_optimizer(settings: TrainSettings) -> optax.GradientTransformation:
 
     def labels(params):
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: "frozen" if _leaf_name(path) in FROZEN_LEAVES else "trained", params)
+            lambda path, _: "trained" if is_trained(path, settings) else "frozen", params)
 
     trained = optax.chain(
         optax.clip_by_global_norm(settings.clip_grad_norm),

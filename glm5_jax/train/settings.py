@@ -33,6 +33,12 @@ class TrainSettings:
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     max_bad_steps: int = 5  # consecutive NaN/Inf steps before stopping
+    # Fine-tuning: start from an HF checkpoint or a train.py run (glm5_jax/train/init_from.py);
+    # train only parameters matching `trainable` (all when empty) and not matching `frozen`
+    # (fnmatch patterns on "/"-joined parameter paths, e.g. "moe_layers/moe/*", "*experts*").
+    init_from: str = ""
+    trainable: tuple[str, ...] = ()
+    frozen: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, config) -> TrainSettings:
@@ -40,7 +46,8 @@ class TrainSettings:
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             if field.name in config:
-                values[field.name] = config[field.name]
+                value = config[field.name]
+                values[field.name] = tuple(value) if field.name in ("trainable", "frozen") else value
         settings = cls(**values)
         settings.validate()
         return settings
@@ -61,6 +68,9 @@ class TrainSettings:
         require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         require(0 <= self.adam_b1 < 1 and 0 <= self.adam_b2 < 1, "adam_b1", "betas must be in [0, 1)")
         require(self.clip_grad_norm > 0, "clip_grad_norm", "must be > 0")
+        for field in ("trainable", "frozen"):
+            require(all(isinstance(p, str) and p for p in getattr(self, field)), field,
+                    "must be a list of parameter-path patterns (strings)")
         for field in ("z_loss_weight", "mtp_loss_weight", "balance_loss_weight",
                       "router_bias_update_rate", "eval_batches"):
             require(getattr(self, field) >= 0, field, "must be >= 0")

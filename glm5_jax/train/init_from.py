@@ -1,0 +1,88 @@
+"""Fine-tuning's starting point (`config.init_from`): the architecture, weights and tokenizer of
+an HF checkpoint directory (FP8 ones dequantized) or a train.py run directory.
+
+The architecture comes from the checkpoint; fields a config also gives must agree with it (a
+conflict is an error naming each field). Weights load straight into the training shardings
+(an HF checkpoint tensor by tensor; a run is restored, then placed) and take the dtypes
+`init_params` would give them. The optimizer state starts fresh: only the weights come along.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import tokenizers
+
+from glm5_jax.checkpoint.hf_io import read_config
+from glm5_jax.model import ConfigError, ModelConfig, init_params
+from glm5_jax.model.options import ExecutionOptions
+from glm5_jax.runs import RunNotFoundError, is_run_directory, load_any, run_configs
+from glm5_jax.train.checkpoints import RunCheckpoints
+
+
+def checkpoint_architecture(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a run directory (its latest checkpoint) or an HF checkpoint directory."""
+    path = Path(path)
+    if is_run_directory(path):
+        checkpoints = RunCheckpoints(path, read_only=True)
+        try:
+            step = checkpoints.latest_step()
+            if step is None:
+                raise RunNotFoundError(f"init_from: {path} has no complete checkpoint yet")
+            return run_configs(checkpoints.restore_config(step))[0]
+        finally:
+            checkpoints.close()
+    if (path / "config.json").exists():
+        return read_config(path)
+    raise RunNotFoundError(f"init_from: {path} is neither a train.py run directory (with checkpoints/) nor "
+                           "an HF checkpoint directory (with config.json)")
+
+
+def merge_architecture(given: Mapping[str, Any] | None, found: ModelConfig) -> ModelConfig:
+    """The checkpoint's architecture; ConfigError naming every field `given` (a config's `model`
+    section, may be None or partial) sets to another value."""
+    given = dict(given.to_dict() if hasattr(given, "to_dict") else given or {})
+    found_values = found.to_dict()
+    unknown = sorted(set(given) - set(found_values))
+    if unknown:
+        raise ConfigError(f"init_from: config.model has fields no architecture has: {', '.join(unknown)}")
+
+    def normal(value):
+        return tuple(value) if isinstance(value, (list, tuple)) else value
+
+    # An empty per-layer list means "the default": it never conflicts.
+    conflicts = [f"{name} (config {value!r}, checkpoint {found_values[name]!r})"
+                 for name, value in given.items() if not (isinstance(value, (list, tuple)) and not value)
+                 and normal(value) != normal(found_values[name])]
+    if conflicts:
+        raise ConfigError("init_from: the architecture comes from the checkpoint, and config.model "
+                          f"disagrees with it in {', '.join(conflicts)}; drop these fields or fix them")
+    return found
+
+
+def initial_weights(path: str | os.PathLike, config: ModelConfig, options: ExecutionOptions,
+                    shardings: Callable[..., Any] | None = None):
+    """(params, tokenizer) of the checkpoint at `path` for training `config`: params in
+    `shardings(config)` when given, each leaf in the dtype `init_params` gives it."""
+    _, params, tokenizer = load_any(path, shardings=shardings)
+    if tokenizer is None:
+        raise FileNotFoundError(f"init_from: {path} has no tokenizer.json; fine-tuning needs the "
+                                "checkpoint's tokenizer")
+    abstract = jax.eval_shape(lambda: init_params(config, 0, options=options))
+    try:
+        params = jax.tree.map(lambda value, like: value.astype(like.dtype), params, abstract)
+    except ValueError as error:  # a tree mismatch: not the architecture its config says
+        raise ConfigError(f"init_from: {path}'s weights do not match its architecture: {error}") from None
+    return params, tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike) -> tokenizers.Tokenizer:
+    file = Path(path) / "tokenizer.json"
+    if not file.exists():
+        raise FileNotFoundError(f"init_from: {path} has no tokenizer.json; fine-tuning needs the "
+                                "checkpoint's tokenizer")
+    return tokenizers.Tokenizer.from_file(str(file))
