@@ -17,8 +17,9 @@ The config file's `get_config()` returns an ml_collections ConfigDict with these
                router_bias_update_rate, log_every, eval_every, eval_batches, checkpoint_every,
                keep_checkpoints, max_bad_steps, seed
   fine-tuning  init_from (an HF checkpoint or train.py run directory: its architecture, weights
-               and tokenizer; config.model may be omitted, fields it gives must agree),
-               trainable / frozen (parameter-path patterns, e.g. ("*experts*",))
+               and tokenizer; config.model may be omitted, fields it gives must agree; the
+               directory must stay readable while the run resumes), trainable / frozen
+               (fnmatch patterns on parameter paths, e.g. ("*/attention/*",))
 The workdir (default runs/<config name>) receives checkpoints/, metrics.jsonl, tokenizer.json
 and run_config.json. Re-running the same command resumes from the latest checkpoint.
 SIGTERM or Ctrl-C saves a checkpoint and exits; SIGKILL never corrupts the latest checkpoint.

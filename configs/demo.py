@@ -92,4 +92,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint_every = 100
     config.keep_checkpoints = 3
     config.max_bad_steps = 5
+    # Fine-tuning (train.py's docs): --config.init_from=PATH starts from an HF checkpoint or run.
+    config.init_from = ""
+    config.trainable = ()
+    config.frozen = ()
     return config

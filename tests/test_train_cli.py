@@ -166,8 +166,8 @@ def validation_losses(workdir) -> dict[int, float]:
 
 @pytest.mark.xdist_group("train_cli_run")
 def test_fine_tuning_starts_from_an_hf_checkpoint_and_resumes(uninterrupted, exported, tmp_path, data_glob):
-    """init_from an HF checkpoint: its architecture (config.model may only agree), weights and
-    tokenizer; the optimizer starts fresh; re-running resumes the fine-tuning run, not the init."""
+    """init_from an HF checkpoint: its architecture, weights and tokenizer; the optimizer starts
+    fresh; re-running resumes the fine-tuning run, not the init."""
     workdir = tmp_path / "tuned"
     tune = (f"--config.init_from={exported}", "--config.num_train_steps=2", "--config.checkpoint_every=2")
     result = run_train(workdir, data_glob, *tune)
@@ -183,7 +183,4 @@ def test_fine_tuning_starts_from_an_hf_checkpoint_and_resumes(uninterrupted, exp
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resuming at step 2" in result.stdout and "initialised from" not in result.stdout
     assert sorted(losses(workdir)) == [1, 2, 3]
-    # A config that disagrees with the checkpoint's architecture is refused, naming the field.
-    result = run_train(tmp_path / "bad", data_glob, tune[0], "--config.model.num_layers=3")
-    assert result.returncode != 0
-    assert "num_layers (config 3, checkpoint 2)" in result.stdout + result.stderr
+    # (A config that disagrees with the checkpoint's architecture: tests/test_finetune.py.)

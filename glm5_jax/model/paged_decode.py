@@ -532,7 +532,8 @@ def paged_mtp_step(config: ModelConfig, params, cache, batch: StepBatch, hidden,
     embedded = params["embed"][jnp.maximum(next_tokens, 0)].astype(dtype)
     embedded = rms_norm(embedded, mtp["enorm"]["scale"], eps)
     previous = rms_norm(hidden.astype(dtype), mtp["hnorm"]["scale"], eps)
-    x = (jnp.concatenate([embedded, previous], axis=-1) @ mtp["eh_proj"].astype(dtype))[:, None, :]
+    x = linear(jnp.concatenate([embedded, previous], axis=-1), mtp["eh_proj"], options.quantized_matmul,
+               dtype)[:, None, :]
     layer = jax.tree.map(lambda a: a[None], mtp["layer"])  # a stack of one MoE layer that runs its indexer
     kinds = _StackKinds("full", jnp.ones((1,), bool), jnp.zeros((1,), bool), True)
     new_cache = dict(cache)
