@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import tokenizers
 
-from glm5_jax.checkpoint import load_pretrained, read_options
+from glm5_jax.checkpoint import load_pretrained, read_config, read_options
 from glm5_jax.model import ModelConfig, init_params
 from glm5_jax.model.options import ExecutionOptions, options_from_run_config, split_saved_model_section
 from glm5_jax.quant import load_recipe, quantize_params
@@ -53,21 +53,32 @@ def load_run(workdir: str | os.PathLike, step: int | None = None):
     return config, state.params
 
 
-def checkpoint_options(path: str | os.PathLike) -> ExecutionOptions:
-    """The ExecutionOptions a checkpoint was made with: a run directory's `execution` section
-    (latest checkpoint), or an HF checkpoint's stored dtype. Serving starts from these and
-    overrides what its flags say."""
+def _saved_configs(path: str | os.PathLike) -> tuple[ModelConfig, ExecutionOptions]:
+    """(ModelConfig, ExecutionOptions) of a run directory's latest checkpoint or of an HF checkpoint
+    directory (its stored dtype), without reading any weights."""
     path = Path(path)
     if is_run_directory(path):
         checkpoints = RunCheckpoints(path, read_only=True)
         try:
-            return run_configs(checkpoints.restore_config(_run_step(path, checkpoints, None)))[1]
+            return run_configs(checkpoints.restore_config(_run_step(path, checkpoints, None)))
         finally:
             checkpoints.close()
     if (path / "config.json").exists():
-        return read_options(path)
+        return read_config(path), read_options(path)
     raise RunNotFoundError(f"{path} is neither a train.py run directory (with {CHECKPOINT_DIR}/) nor "
                            "an HF checkpoint directory (with config.json)")
+
+
+def checkpoint_options(path: str | os.PathLike) -> ExecutionOptions:
+    """The ExecutionOptions a checkpoint was made with: a run directory's `execution` section
+    (latest checkpoint), or an HF checkpoint's stored dtype. Serving starts from these and
+    overrides what its flags say."""
+    return _saved_configs(path)[1]
+
+
+def checkpoint_config(path: str | os.PathLike) -> ModelConfig:
+    """The architecture of a run directory (latest checkpoint) or an HF checkpoint directory."""
+    return _saved_configs(path)[0]
 
 
 def load_any(path: str | os.PathLike, quantize: str | None = None, shardings=None):

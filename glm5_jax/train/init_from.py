@@ -17,29 +17,17 @@ from typing import Any
 import jax
 import tokenizers
 
-from glm5_jax.checkpoint.hf_io import read_config
 from glm5_jax.model import ConfigError, ModelConfig, init_params
 from glm5_jax.model.options import ExecutionOptions
-from glm5_jax.runs import RunNotFoundError, is_run_directory, load_any, run_configs
-from glm5_jax.train.checkpoints import RunCheckpoints
+from glm5_jax.runs import RunNotFoundError, checkpoint_config, load_any
 
 
 def checkpoint_architecture(path: str | os.PathLike) -> ModelConfig:
     """The ModelConfig of a run directory (its latest checkpoint) or an HF checkpoint directory."""
-    path = Path(path)
-    if is_run_directory(path):
-        checkpoints = RunCheckpoints(path, read_only=True)
-        try:
-            step = checkpoints.latest_step()
-            if step is None:
-                raise RunNotFoundError(f"init_from: {path} has no complete checkpoint yet")
-            return run_configs(checkpoints.restore_config(step))[0]
-        finally:
-            checkpoints.close()
-    if (path / "config.json").exists():
-        return read_config(path)
-    raise RunNotFoundError(f"init_from: {path} is neither a train.py run directory (with checkpoints/) nor "
-                           "an HF checkpoint directory (with config.json)")
+    try:
+        return checkpoint_config(path)
+    except RunNotFoundError as error:
+        raise RunNotFoundError(f"init_from: {error}") from None
 
 
 def merge_architecture(given: Mapping[str, Any] | None, found: ModelConfig) -> ModelConfig:
