@@ -52,6 +52,10 @@ def merge_architecture(given: Mapping[str, Any] | None, found: ModelConfig) -> M
     return found
 
 
+def _cast(value, like):
+    return value if value.dtype == like.dtype else value.astype(like.dtype)
+
+
 def initial_weights(path: str | os.PathLike, config: ModelConfig, options: ExecutionOptions,
                     shardings: Callable[..., Any] | None = None):
     """(params, tokenizer) of the checkpoint at `path` for training `config`: params in
@@ -62,7 +66,7 @@ def initial_weights(path: str | os.PathLike, config: ModelConfig, options: Execu
                                 "checkpoint's tokenizer")
     abstract = jax.eval_shape(lambda: init_params(config, 0, options=options))
     try:
-        params = jax.tree.map(lambda value, like: value.astype(like.dtype), params, abstract)
+        params = jax.tree.map(_cast, params, abstract)
     except ValueError as error:  # a tree mismatch: not the architecture its config says
         raise ConfigError(f"init_from: {path}'s weights do not match its architecture: {error}") from None
     return params, tokenizer
