@@ -171,7 +171,7 @@ def main(argv):
         param_shardings = None if mesh is None else train_state_shardings(
             model_config, optimizer, mesh, rules, options=options).params
         try:
-            params, _ = init_from_lib.initial_weights(
+            params = init_from_lib.initial_weights(
                 settings.init_from, model_config, options,
                 None if mesh is None else lambda *_, **__: param_shardings)
         except (ConfigError, FileNotFoundError) as error:

@@ -467,26 +467,15 @@ class Engine:
         and remaining count from that call's device state."""
         rows = next(b for b in decode_buckets(self.max_slots) if b >= len(plan.sequences))
         inputs = self.runner.padding_decode(rows)
-        if self._speculating(plan.sequences):
-            limits = np.zeros(rows, np.int32)
-            for row, sequence in enumerate(plan.sequences):
-                inputs["tokens"][row], inputs["positions"][row] = sequence.tokens[-1], sequence.computed
-                inputs["tables"][row], inputs["slots"][row] = self.runner.table(sequence.pages), sequence.slot
-                inputs["remaining"][row] = sequence.max_new - sequence.generated
-                ids = self._stop_ids(sequence)
-                inputs["stop_ids"][row, :len(ids)] = ids
-                limits[row] = len(sequence.pages) * self.page_size
-            if after is not None:
-                inputs.update(tokens=after.tokens, positions=after.positions, remaining=after.remaining)
-            return self.runner.launch_speculative(**inputs, limits=limits, steps=plan.steps,
-                                                  top_wanted=self._top_wanted(plan.sequences))
+        limits = np.zeros(rows, np.int32)  # positions each row's pages cover (speculation)
         for row, sequence in enumerate(plan.sequences):
             inputs["tokens"][row], inputs["positions"][row] = sequence.tokens[-1], sequence.computed
             inputs["tables"][row], inputs["slots"][row] = self.runner.table(sequence.pages), sequence.slot
             inputs["remaining"][row] = sequence.max_new - sequence.generated
+            limits[row] = len(sequence.pages) * self.page_size
             ids = self._stop_ids(sequence)
             request = sequence.payload
-            if request.constrained is not None:
+            if request.constrained is not None:  # (constrained rows never speculate)
                 if request.constrained.active or request.after_token is None:
                     # The next mask depends on this token (or the host must look for `after`).
                     inputs["remaining"][row] = min(inputs["remaining"][row], 1)
@@ -495,8 +484,11 @@ class Engine:
             inputs["stop_ids"][row, :len(ids)] = ids[:MAX_STOP_IDS]
         if after is not None:
             inputs.update(tokens=after.tokens, positions=after.positions, remaining=after.remaining)
-        return self.runner.launch_decode(**inputs, steps=plan.steps,
-                                         top_wanted=self._top_wanted(plan.sequences),
+        top_wanted = self._top_wanted(plan.sequences)
+        if self._speculating(plan.sequences):
+            return self.runner.launch_speculative(**inputs, limits=limits, steps=plan.steps,
+                                                  top_wanted=top_wanted)
+        return self.runner.launch_decode(**inputs, steps=plan.steps, top_wanted=top_wanted,
                                          allowed=self._allowed(plan.sequences, rows))
 
     def _allowed(self, sequences, rows: int) -> np.ndarray:

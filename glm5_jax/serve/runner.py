@@ -37,7 +37,14 @@ from glm5_jax.model.paged_decode import (
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.sharding import SERVING_RULES, activate, replicated, serving_param_shardings
 from glm5_jax.serve.grammar import ALL_ALLOWED, apply_allowed_bits, bitmask_words
-from glm5_jax.serve.sampling import SamplingState, init_sampling_state, sample, set_slot
+from glm5_jax.serve.sampling import (
+    SamplingState,
+    init_sampling_state,
+    put_slot_rows,
+    sample,
+    set_slot,
+    slot_rows,
+)
 from glm5_jax.serve.speculative import DraftState, init_draft_state, mtp_after_step, speculative_loop
 from glm5_jax.serve.types import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -77,16 +84,6 @@ class Sampled(NamedTuple):
     top_logprobs: np.ndarray
 
 
-def _rows_of(state: SamplingState, slots):
-    return jax.tree.map(lambda a: a[slots], state)
-
-
-def _put_rows(state: SamplingState, rows: SamplingState, slots, keep):
-    """Writes rows back to their slots where keep [R] (other rows are dropped)."""
-    index = jnp.where(keep, slots, state.num_slots)
-    return jax.tree.map(lambda a, b: a.at[index].set(b, mode="drop"), state, rows)
-
-
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _sample_slots(logits, state: SamplingState, slots, mask, top_wanted, allowed):
     """Samples rows of logits [R, V] with the sampler state of `slots` [R]; only rows where
@@ -95,9 +92,9 @@ def _sample_slots(logits, state: SamplingState, slots, mask, top_wanted, allowed
     sample (constrained decoding; all bits set = free)."""
     logits = constrain(logits, (None, None))  # on a mesh: whole rows (the vocab gathered) for the sampler
     logits = apply_allowed_bits(logits, allowed)
-    tokens, logprobs, top_ids, top_logprobs, rows = sample(logits, _rows_of(state, slots), MAX_TOP_LOGPROBS,
+    tokens, logprobs, top_ids, top_logprobs, rows = sample(logits, slot_rows(state, slots), MAX_TOP_LOGPROBS,
                                                            top_wanted)
-    return tokens, logprobs, top_ids, top_logprobs, _put_rows(state, rows, slots, mask)
+    return tokens, logprobs, top_ids, top_logprobs, put_slot_rows(state, rows, slots, mask)
 
 
 def _score(logits, targets):
@@ -131,7 +128,7 @@ def _mixed_step(config, params, cache, state, batch: StepBatch, sample_rows, slo
     if drafts is not None:
         sampled_rows = jnp.where(mask, sample_rows, next_tokens.shape[0])  # out of range: dropped
         next_tokens = next_tokens.at[sampled_rows].set(tokens, mode="drop")
-        cache, drafts = mtp_after_step(config, params, cache, drafts, _rows_of(state, slots), batch, hidden,
+        cache, drafts = mtp_after_step(config, params, cache, drafts, slot_rows(state, slots), batch, hidden,
                                        next_tokens, sample_rows, slots, mask, options=options,
                                        block_pages=block_pages)
     return (tokens, logprobs, top_ids, top_logprobs), scores, cache, state, drafts

@@ -217,6 +217,28 @@ def filter_logits(scaled_logits: jax.Array, state: SamplingState) -> jax.Array:
     return jnp.full_like(scaled_logits, -jnp.inf).at[rows, sorted_ids].set(filtered)
 
 
+def slot_rows(tree, slots):
+    """Rows `slots` [R] of a per-slot state (any pytree of [S, ...] arrays)."""
+    return jax.tree.map(lambda a: a[slots], tree)
+
+
+def put_slot_rows(tree, rows, slots, keep):
+    """Writes rows [R, ...] back to their slots where keep [R] (other rows are dropped)."""
+    return jax.tree.map(lambda a, b: a.at[jnp.where(keep, slots, a.shape[0])].set(b, mode="drop"), tree, rows)
+
+
+def processed_logits(penalised: jax.Array, state: SamplingState) -> jax.Array:
+    """Temperature, then top_k / top_p / min_p: [S, V] -> the logits `sample` draws from
+    (speculative decoding gives its draft and target distributions the same processing)."""
+    temperature = state.temperature[:, None]
+    scaled = penalised / jnp.where(temperature > 0, temperature, 1.0)
+    # The sort behind top_k / top_p / min_p is the costly part of a step: skip it when no slot
+    # filters. Draws happen in vocabulary order either way, so a slot's tokens do not depend
+    # on which branch its neighbours' settings select.
+    filtering = jnp.any((state.top_k > 0) | (state.top_p < 1.0) | (state.min_p > 0.0))
+    return jax.lax.cond(filtering, lambda: filter_logits(scaled, state), lambda: scaled)
+
+
 def _draw(key_data: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One slot: key data [2], logits [V] -> (next key data [2], sampled index int32)."""
     next_key, use_key = jax.random.split(jax.random.wrap_key_data(key_data, impl=PRNG_IMPL))
@@ -255,13 +277,7 @@ def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int, top_w
     penalised = apply_penalties(raw, state)
     greedy_tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
 
-    temperature = state.temperature[:, None]
-    scaled = penalised / jnp.where(temperature > 0, temperature, 1.0)
-    # The sort behind top_k / top_p / min_p is the costly part of a step: skip it when no slot
-    # filters. Draws happen in vocabulary order either way, so a slot's tokens do not depend
-    # on which branch its neighbours' settings select.
-    filtering = jnp.any((state.top_k > 0) | (state.top_p < 1.0) | (state.min_p > 0.0))
-    candidates = jax.lax.cond(filtering, lambda: filter_logits(scaled, state), lambda: scaled)
+    candidates = processed_logits(penalised, state)
     # All-greedy batches skip the draws (and keep their keys: no row here samples).
     new_keys, sampled_tokens = jax.lax.cond(
         jnp.any(state.temperature > 0), lambda: jax.vmap(_draw)(state.keys, candidates),

@@ -38,7 +38,7 @@ from flax import struct
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.paged_decode import StepBatch, paged_mtp_step, paged_step
 from glm5_jax.serve.acceptance import accept_drafts
-from glm5_jax.serve.sampling import PRNG_IMPL, SamplingState, filter_logits
+from glm5_jax.serve.sampling import PRNG_IMPL, SamplingState, processed_logits, put_slot_rows, slot_rows
 from glm5_jax.serve.types import MAX_TOP_LOGPROBS
 
 _CHAIN, _NEXT_ROUND, _ACCEPT = 1, 1000, 2000  # fold_in tags of a round's key
@@ -64,11 +64,7 @@ def sampling_probs(logits, rows: SamplingState):
     logits [R, V] -> probs [R, V] float32 (greedy rows: one-hot argmax), argmax [R] int32."""
     raw = logits.astype(jnp.float32)
     greedy = jnp.argmax(raw, axis=-1).astype(jnp.int32)
-    temperature = rows.temperature[:, None]
-    scaled = raw / jnp.where(temperature > 0, temperature, 1.0)
-    filtering = jnp.any((rows.top_k > 0) | (rows.top_p < 1.0) | (rows.min_p > 0.0))
-    candidates = jax.lax.cond(filtering, lambda: filter_logits(scaled, rows), lambda: scaled)
-    probs = jnp.where(temperature > 0, jax.nn.softmax(candidates, axis=-1),
+    probs = jnp.where(rows.temperature[:, None] > 0, jax.nn.softmax(processed_logits(raw, rows), axis=-1),
                       jax.nn.one_hot(greedy, raw.shape[-1], dtype=jnp.float32))
     return probs, greedy
 
@@ -85,10 +81,7 @@ def _tagged(keys, tag: int):
 
 
 def _write_slots(drafts: DraftState, slots, keep, token, probs, hidden) -> DraftState:
-    index = jnp.where(keep, slots, drafts.token.shape[0])  # out of range: dropped
-    return DraftState(drafts.token.at[index].set(token, mode="drop"),
-                      drafts.probs.at[index].set(probs, mode="drop"),
-                      drafts.hidden.at[index].set(hidden.astype(jnp.float32), mode="drop"))
+    return put_slot_rows(drafts, DraftState(token, probs, hidden.astype(jnp.float32)), slots, keep)
 
 
 def mtp_after_step(config: ModelConfig, params, cache, drafts: DraftState, rows: SamplingState,
@@ -137,7 +130,7 @@ def speculative_loop(config: ModelConfig, params, cache, state: SamplingState, d
     def body(carry):
         step, cache, state, drafts, tokens, positions, remaining, counts, outputs = carry
         active = (positions >= 0) & (remaining > 0) & (positions < limits)
-        row_state = jax.tree.map(lambda a: a[slots], state)
+        row_state = slot_rows(state, slots)
         keys = jax.random.wrap_key_data(row_state.keys, impl=PRNG_IMPL)
         split = jax.vmap(jax.random.split)(keys)
         next_keys, round_keys = split[:, 0], split[:, 1]
@@ -213,8 +206,7 @@ def speculative_loop(config: ModelConfig, params, cache, state: SamplingState, d
         row_state = row_state.replace(
             keys=jnp.where(active[:, None], jax.random.key_data(next_keys), row_state.keys),
             output_counts=row_state.output_counts.at[jnp.arange(rows)[:, None], counted].add(1, mode="drop"))
-        state = jax.tree.map(lambda a, b: a.at[jnp.where(active, slots, a.shape[0])].set(b, mode="drop"),
-                             state, row_state)
+        state = put_slot_rows(state, row_state, slots, active)
         kept_drafts = jnp.where(active, jnp.minimum(accepted, count), 0)
         counts = counts + jnp.stack([jnp.sum(active), jnp.sum(jnp.where(active, verifiable, 0)),
                                      jnp.sum(kept_drafts)]).astype(jnp.int32)

@@ -58,18 +58,15 @@ def _cast(value, like):
 
 def initial_weights(path: str | os.PathLike, config: ModelConfig, options: ExecutionOptions,
                     shardings: Callable[..., Any] | None = None):
-    """(params, tokenizer) of the checkpoint at `path` for training `config`: params in
-    `shardings(config)` when given, each leaf in the dtype `init_params` gives it."""
-    _, params, tokenizer = load_any(path, shardings=shardings)
-    if tokenizer is None:
-        raise FileNotFoundError(f"init_from: {path} has no tokenizer.json; fine-tuning needs the "
-                                "checkpoint's tokenizer")
+    """The weights of the checkpoint at `path` for training `config`: in `shardings(config)` when
+    given, each leaf in the dtype `init_params` gives it (its tokenizer: `load_tokenizer`)."""
+    _, params, _ = load_any(path, shardings=shardings)
     abstract = jax.eval_shape(lambda: init_params(config, 0, options=options))
     try:
         params = jax.tree.map(_cast, params, abstract)
     except ValueError as error:  # a tree mismatch: not the architecture its config says
         raise ConfigError(f"init_from: {path}'s weights do not match its architecture: {error}") from None
-    return params, tokenizer
+    return params
 
 
 def load_tokenizer(path: str | os.PathLike) -> tokenizers.Tokenizer:
