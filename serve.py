@@ -16,7 +16,8 @@ from the checkpoint's (a run's `execution` section, an HF checkpoint's stored dt
 `--mesh tensor=2,expert=4` serves on a device mesh (the syntax of `python -m glm5_jax.plan
 --mesh`): heads, MLP units and vocab over tensor, routed experts over expert. If the engine
 fails for good (engine.failure is set), the server stops and the process exits with status 1, so
-that a supervisor (systemd, Kubernetes) restarts it. See docs/serving.md.
+that a supervisor (systemd, Kubernetes) restarts it. `--feedback-dir DIR` records every answer in DIR
+and lets clients rate them with POST /v1/feedback (docs/feedback.md). See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="chat answers: glm45 returns the <think> block as reasoning_content (and "
                              "reasoning) apart from content, as vLLM's --reasoning-parser glm45 does; none "
                              "leaves it in content (default: glm45)")
+    parser.add_argument("--feedback-dir", default=None, metavar="DIR",
+                        help="collect feedback: append every answer (request, response, confidence) to JSONL "
+                             "files in DIR (created if missing) and accept ratings of response ids with POST "
+                             "/v1/feedback; the records hold users' text unredacted, so keep DIR private "
+                             "(export with python -m glm5_jax.data.feedback; default: off)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn log level (default: info)")
@@ -153,6 +159,18 @@ def read_server_config(path: str | None):
         return load_server_config(path)
     except (ServerConfigError, ConfigError) as exc:
         sys.exit(f"error: --server-config: {exc}")
+
+
+def open_feedback_log(directory: str | None):
+    """The feedback log over DIR (None when not asked for); exits when DIR cannot be created or written."""
+    from glm5_jax.serve.feedback_log import FeedbackLog, FeedbackLogError
+
+    if directory is None:
+        return None
+    try:
+        return FeedbackLog(directory)
+    except FeedbackLogError as exc:
+        sys.exit(f"error: --feedback-dir: {exc}")
 
 
 def resolve_checkpoint(checkpoint: str | None) -> Path:
@@ -207,6 +225,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     checkpoint = resolve_checkpoint(args.checkpoint)
     server_config = read_server_config(args.server_config)  # before the slow model load
+    feedback_log = open_feedback_log(args.feedback_dir)
     # Imported here: loading JAX and the model is slow, and `--help` should not need it.
     import uvicorn
 
@@ -244,13 +263,15 @@ def main(argv=None) -> int:
     app = create_app(engine, model_id, api_key=args.api_key, chat_template=load_chat_template(checkpoint),
                      special_tokens=load_special_tokens(checkpoint), server_config=server_config,
                      metrics=metrics, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                     reasoning_parser=args.reasoning_parser)
+                     reasoning_parser=args.reasoning_parser, feedback_log=feedback_log)
     print("compiling the engine step...", flush=True)
     warm_up(engine)
     aliases = f" (aliases: {', '.join(server_config.model_aliases)})" if server_config.model_aliases else ""
     on = f", mesh {args.mesh}" if args.mesh else ""
     print(f"serving {model_id!r}{aliases} from {checkpoint} at http://{args.host}:{args.port}/v1 "
           f"(max_context {engine.max_context}, {args.max_slots} slots{on}, metrics at /metrics)", flush=True)
+    if feedback_log is not None:
+        print(f"collecting feedback in {feedback_log.path} (POST /v1/feedback)", flush=True)
     # A short graceful shutdown: open streams are then cancelled, which frees their engine slots.
     # No lifespan: the app has no startup work, and the engine is shut down here.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -262,6 +283,8 @@ def main(argv=None) -> int:
         pass
     finally:
         engine.shutdown()
+        if feedback_log is not None:
+            feedback_log.close()  # waits for the records still being written
     if failure is not None:
         print(f"error: the engine failed and cannot go on: {failure}", file=sys.stderr, flush=True)
         return 1

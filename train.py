@@ -7,7 +7,8 @@ The config file's `get_config()` returns an ml_collections ConfigDict with these
   execution.*  how it runs (optional; glm5_jax/model/options.py): dtype, param_dtype, remat,
                moe_impl, attention_impl, indexer_impl, decode_attention_impl, expert_dispatch,
                expert_capacity_factor, pipeline_microbatches (e.g. --config.execution.remat=full)
-  data.*       sources (python_stdlib | files | jsonl, with weights), tokenizer_path ("" trains a
+  data.*       sources (python_stdlib | files | jsonl | chat_jsonl, with weights; chat_jsonl trains on
+               assistant turns only, rendered with the run's chat template), tokenizer_path ("" trains a
                byte-level BPE of data.vocab_size on the sources, cached in data.cache_dir, or
                in the workdir when cache_dir is ""),
                seq_len, validation_fraction, seed
@@ -16,6 +17,8 @@ The config file's `get_config()` returns an ml_collections ConfigDict with these
                clip_grad_norm, z_loss_weight, mtp_loss_weight, balance_loss_weight,
                router_bias_update_rate, log_every, eval_every, eval_batches, checkpoint_every,
                keep_checkpoints, max_bad_steps, seed
+  objective    "lm" (next-token loss) or "dpo" (preference_jsonl pairs against the frozen init_from
+               weights; dpo_beta)
   fine-tuning  init_from (an HF checkpoint or train.py run directory: its architecture, weights
                and tokenizer; config.model may be omitted, fields it gives must agree; the
                directory must stay readable while the run resumes), trainable / frozen
@@ -43,6 +46,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from glm5_jax import data as data_lib
+from glm5_jax.data.chat import ChatStatistics
 from glm5_jax.model import ConfigError, ModelConfig, init_params
 from glm5_jax.model.count import count_params
 from glm5_jax.model.options import ExecutionOptions
@@ -51,6 +55,7 @@ from glm5_jax.parallel.mesh import MeshError, MeshSpec, initialize_distributed, 
 from glm5_jax.runs import RunNotFoundError
 from glm5_jax.train import init_from as init_from_lib
 from glm5_jax.train.checkpoints import RunCheckpoints
+from glm5_jax.train.dpo import make_dpo_eval_step, make_reference_log_probs
 from glm5_jax.train.metrics import MetricsLog
 from glm5_jax.train.optimizer import learning_rate_schedule, make_optimizer, trained_names
 from glm5_jax.train.settings import TrainSettings
@@ -98,9 +103,20 @@ def evaluate(eval_step, params, batches) -> dict[str, float]:
     totals = {"nats": 0.0, "tokens": 0.0, "bytes": 0.0}
     for batch in batches:
         for key, value in eval_step(params, batch).items():
-            totals[key] += float(value)
+            totals[key] = totals.get(key, 0.0) + float(value)
+    if "pairs" in totals:  # DPO: held-out pairs' loss, reward margin and accuracy
+        pairs = max(totals["pairs"], 1.0)
+        return {"val_dpo_loss": totals["nats"] / pairs, "val_reward_margin": totals["margin"] / pairs,
+                "val_reward_accuracy": totals["correct"] / pairs}
     loss = totals["nats"] / max(totals["tokens"], 1.0)
     return {"val_loss": loss, "val_bpb": totals["nats"] / (math.log(2) * max(totals["bytes"], 1.0))}
+
+
+def chat_renderer(workdir: Path):
+    """The run's chat template (copied from init_from's checkpoint), else the built-in GLM-5 format."""
+    from glm5_jax.serve.chat import ChatRenderer, load_chat_template, load_special_tokens
+
+    return ChatRenderer(load_chat_template(workdir), load_special_tokens(workdir))
 
 
 def main(argv):
@@ -121,6 +137,11 @@ def main(argv):
             model_config = ModelConfig.from_dict(config.model)
         options = ExecutionOptions.from_dict(config.get("execution"))
         sources = [data_lib.source_spec_from_dict(dict(s)) for s in config.data.sources]
+        if (settings.objective == "dpo") != all(spec.kind == "preference_jsonl" for spec in sources):
+            raise ValueError(f"objective={settings.objective!r} needs "
+                             + ("only preference_jsonl sources" if settings.objective == "dpo"
+                                else "text or chat sources "
+                                     "(preference_jsonl pairs train with objective='dpo')"))
         # config.mesh (optional): axis sizes; config.sharding_rules: logical axis overrides.
         mesh = None
         if "mesh" in config:
@@ -149,15 +170,25 @@ def main(argv):
     except (FileNotFoundError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     tokenizer.save(str(workdir / "tokenizer.json"))
+    if settings.init_from:
+        init_from_lib.copy_chat_files(settings.init_from, workdir)
     data_options = dict(seq_len=config.data.seq_len, seed=config.data.seed,
                         validation_fraction=config.data.validation_fraction)
+    chat_statistics = {}
+    if any(spec.kind in ("chat_jsonl", "preference_jsonl") for spec in sources):  # the run's chat template
+        data_options["chat_renderer"] = chat_renderer(workdir)
+        chat_statistics = {"train": ChatStatistics(), "validation": ChatStatistics()}
     # batch_size is global; each host loads its own rows from its own shard of the documents.
     train_batches = data_lib.make_train_iterator(
         sources, tokenizer, batch_size=settings.batch_size // jax.process_count(),
-        shard_index=jax.process_index(), shard_count=jax.process_count(), **data_options)
+        shard_index=jax.process_index(), shard_count=jax.process_count(),
+        chat_statistics=chat_statistics.get("train"), **data_options)
     validation_batches = data_lib.make_validation_batches(
         sources, tokenizer, batch_size=settings.batch_size, max_batches=settings.eval_batches,
-        **data_options)
+        chat_statistics=chat_statistics.get("validation"), **data_options)
+    for split, counts in chat_statistics.items():
+        summary = ", ".join(f"{k} {v}" for k, v in counts.as_dict().items())
+        print(f"chat data ({split}): " + summary, flush=True)
     token_bytes = jnp.asarray(data_lib.token_byte_lengths(tokenizer), jnp.float32)
     token_bytes = jnp.pad(token_bytes, (0, max(model_config.vocab_size - token_bytes.shape[0], 0)))
 
@@ -210,12 +241,28 @@ def main(argv):
             for key, value in batch.items()}
         print("mesh: " + ", ".join(f"{name}={size}" for name, size in mesh.shape.items()), flush=True)
     eval_step = make_eval_step(model_config, token_bytes, options)
+    if settings.objective == "dpo":  # the reference: the init_from weights, frozen (a copy: steps donate)
+        reference_params = init_from_lib.initial_weights(
+            settings.init_from, model_config, options,
+            None if mesh is None else lambda *_, **__: train_state_shardings(
+                model_config, optimizer, mesh, rules, options=options).params)
+        reference_log_probs = make_reference_log_probs(model_config, options)
+        with_reference = lambda batch: {  # noqa: E731
+            **batch, "reference_log_probs": reference_log_probs(reference_params, batch)}
+        validation_batches = [with_reference(place_batch(batch)) for batch in validation_batches]
+        eval_step = make_dpo_eval_step(model_config, settings.dpo_beta, options)
+    else:
+        with_reference = lambda batch: batch  # noqa: E731
     schedule = learning_rate_schedule(settings)
     metrics_log = MetricsLog(workdir, resume_step)
 
     # ---------------------------------------------------------------- loop
     stop = StopRequested()
     step = int(state.step)
+    if chat_statistics:  # what chat data was kept, cut and skipped (the truncation rules)
+        metrics_log.write(step, {f"chat_data/{split}/{name}": value
+                                 for split, counts in chat_statistics.items()
+                                 for name, value in counts.as_dict().items()})
     if step == 0:
         metrics_log.write(0, evaluate(eval_step, state.params, validation_batches))
     tokens_per_step = settings.batch_size * config.data.seq_len
@@ -225,7 +272,7 @@ def main(argv):
                     mininterval=1.0, file=sys.stdout)
     while step < settings.num_train_steps and stop.signal_name is None:
         started = time.perf_counter()
-        batch = place_batch(next(train_batches))
+        batch = with_reference(place_batch(next(train_batches)))
         state, metrics = train_step(state, batch)
         step += 1
         loss = float(metrics["loss"])  # waits for the step: the timing below is honest
@@ -246,8 +293,9 @@ def main(argv):
         progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}",
                              step_s=f"{seconds:.2f}")
         if step % settings.log_every == 0 or step == settings.num_train_steps:
-            record = {key: metrics[key] for key in ("loss", "cross_entropy", "z_loss", "mtp_loss",
-                                                    "balance_loss", "grad_norm") if key in metrics}
+            logged_keys = ("loss", "cross_entropy", "z_loss", "mtp_loss", "balance_loss",
+                           "reward_margin", "reward_accuracy", "grad_norm")
+            record = {key: metrics[key] for key in logged_keys if key in metrics}
             load = np.asarray(metrics.get("expert_load/moe_layers", np.zeros((1, 1))), np.float64)
             record.update(learning_rate=schedule(step - 1), tokens_per_second=tokens_per_step / seconds,
                           step_seconds=seconds,
@@ -257,8 +305,7 @@ def main(argv):
         if step % settings.eval_every == 0 or step == settings.num_train_steps:
             evaluation = evaluate(eval_step, state.params, validation_batches)
             metrics_log.write(step, evaluation)
-            tqdm.write(f"step {step}: val_loss {evaluation['val_loss']:.4f} "
-                       f"val_bpb {evaluation['val_bpb']:.4f}")
+            tqdm.write(f"step {step}: " + " ".join(f"{key} {value:.4f}" for key, value in evaluation.items()))
         if checkpoints.due(step) or step == settings.num_train_steps:
             checkpoints.save(step, state, train_batches.get_state(), run_config)
             last_saved = step

@@ -18,9 +18,9 @@ from glm5_jax.runs import load_run
 def export_run(workdir: str, output: str, max_shard_size: str = "5GB") -> Path:
     config, params = load_run(workdir)
     save_pretrained(config, params, output, max_shard_size=max_shard_size)
-    tokenizer = Path(workdir) / "tokenizer.json"
-    if tokenizer.exists():
-        shutil.copyfile(tokenizer, Path(output) / "tokenizer.json")
+    for name in ("tokenizer.json", "chat_template.jinja", "tokenizer_config.json"):  # the chat template
+        if (Path(workdir) / name).exists():                                             # of a fine-tuned run
+            shutil.copyfile(Path(workdir) / name, Path(output) / name)
     return Path(output)
 
 

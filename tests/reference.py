@@ -6,17 +6,26 @@ norm weights and biases, a non-zero router selection bias.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
-from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
 from glm5_jax.checkpoint import config_to_hf
 from glm5_jax.model.config import ModelConfig
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+# torch and transformers are imported where the reference model is built: importing them costs
+# ~9 s, which the subprocesses that only need `random_params` (mesh checks) should not pay.
+
 
 def hf_config(config: ModelConfig) -> GlmMoeDsaConfig:
+    from transformers import GlmMoeDsaConfig
+
     values = config_to_hf(config)
     values.pop("architectures")
     values.pop("model_type")
@@ -26,6 +35,8 @@ def hf_config(config: ModelConfig) -> GlmMoeDsaConfig:
 
 def randomize_(model: torch.nn.Module, seed: int, std: float = 0.1) -> None:
     """Fills every weight with hazard-aware random values (in place)."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
@@ -41,6 +52,9 @@ def randomize_(model: torch.nn.Module, seed: int, std: float = 0.1) -> None:
 
 
 def build_reference(config: ModelConfig, seed: int = 0) -> GlmMoeDsaForCausalLM:
+    import torch
+    from transformers import GlmMoeDsaForCausalLM
+
     torch.manual_seed(seed)
     model = GlmMoeDsaForCausalLM._from_config(hf_config(config), attn_implementation="eager")
     randomize_(model, seed)
@@ -48,6 +62,8 @@ def build_reference(config: ModelConfig, seed: int = 0) -> GlmMoeDsaForCausalLM:
 
 
 def reference_logits(model: GlmMoeDsaForCausalLM, input_ids: np.ndarray) -> np.ndarray:
+    import torch
+
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(input_ids), dtype=torch.long)).logits.float().numpy()
 

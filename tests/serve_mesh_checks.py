@@ -4,14 +4,15 @@ devices (XLA_FLAGS must be set before JAX starts).
 An HF checkpoint of the tiny model is loaded straight into each mesh's shardings and served
 through the HTTP API (uvicorn, the official openai client) on a page pool small enough that
 requests preempt each other, twice (the second round hits the prefix cache). Prints one JSON
-object per mesh ("1" = one device): the greedy completions' tokens and log-probs, and what
-was checked.
+object per mesh: the greedy completions' tokens and log-probs, and what was checked; and for "1"
+(one device) the reference: the same greedy continuations by the full forward (no engine: the
+engine itself is checked against forward on one device in tests/test_engine.py).
 
     python tests/serve_mesh_checks.py "expert=8" "tensor=2,expert=4@fp8"
 
 A mesh suffixed "@fp8" serves weights quantized by the fp8 recipe (128x128 block scales), split
-as serve.py --mesh --quantize fp8 splits them; it is compared with one device serving the same
-quantized weights ("1@fp8").
+as serve.py --mesh --quantize fp8 splits them; it is compared with the forward of the same
+quantized weights on one device ("1@fp8").
 """
 
 import json
@@ -29,6 +30,7 @@ import openai  # noqa: E402
 from fake_engine import make_tokenizer, running  # noqa: E402
 from reference import perturbed_params  # noqa: E402
 
+import glm5_jax  # noqa: E402
 from glm5_jax.checkpoint.hf_io import save_pretrained  # noqa: E402
 from glm5_jax.config_files import load_model_config  # noqa: E402
 from glm5_jax.model.options import ExecutionOptions  # noqa: E402
@@ -45,6 +47,7 @@ PAGE, CONTEXT = 4, 48
 SHARED = list(range(10, 22))  # a 12-token prefix every prompt starts with: prefix-cache hits
 rng = np.random.default_rng(3)
 PROMPTS = [SHARED + rng.integers(2, 200, n).tolist() for n in (3, 7, 5)]
+NEW_TOKENS = 12
 
 
 def serve_round(url: str) -> tuple[list[list[str]], list[list[float]], list[int]]:
@@ -52,7 +55,7 @@ def serve_round(url: str) -> tuple[list[list[str]], list[list[float]], list[int]
     prompt tokens per prompt)."""
     def one(prompt):
         with openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=300) as client:
-            reply = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0,
+            reply = client.completions.create(model="m", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
                                               logprobs=0, extra_body={"ignore_eos": True})
         details = reply.usage.prompt_tokens_details
         logprobs = reply.choices[0].logprobs
@@ -61,6 +64,24 @@ def serve_round(url: str) -> tuple[list[list[str]], list[list[float]], list[int]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = list(pool.map(one, PROMPTS))
     return tuple([r[i] for r in results] for i in range(3))
+
+
+def forward_chains(config, params, tokenizer) -> tuple[list[list[str]], list[list[float]]]:
+    """The prompts' greedy continuations (NEW_TOKENS, EOS ignored) by the full forward on one
+    device, as the API reports them: token strings and their raw log-probabilities."""
+    ids = np.zeros((len(PROMPTS), max(map(len, PROMPTS)) + NEW_TOKENS), np.int32)  # one padded shape
+    for row, prompt in enumerate(PROMPTS):
+        ids[row, :len(prompt)] = prompt
+    tokens, logprobs = [[] for _ in PROMPTS], [[] for _ in PROMPTS]
+    for step in range(NEW_TOKENS):
+        log_softmax = jax.nn.log_softmax(glm5_jax.forward(config, params, ids), axis=-1)
+        for row, prompt in enumerate(PROMPTS):
+            position = len(prompt) + step
+            token = int(np.argmax(log_softmax[row, position - 1]))
+            ids[row, position] = token
+            tokens[row].append(tokenizer.decode([token], skip_special_tokens=False))
+            logprobs[row].append(float(log_softmax[row, position - 1, token]))
+    return tokens, logprobs
 
 
 def main(meshes: list[str]) -> None:
@@ -76,6 +97,10 @@ def main(meshes: list[str]) -> None:
                 def shardings(config, params=None, text=text):
                     return serving_param_shardings(config, make_mesh(MeshSpec.parse(text), config), params)
             config, params, _ = load_any(directory, quantize=recipe or None, shardings=shardings)
+            if text == "1":  # the reference: the model's own forward on one device, no engine
+                tokens, logprobs = forward_chains(config, params, tokenizer)
+                print(json.dumps({"mesh": name, "tokens": tokens, "logprobs": logprobs}), flush=True)
+                continue
             placed = True
             if shardings is not None:
                 want = shardings(config, params)

@@ -112,7 +112,8 @@ def test_same_seed_same_batches_and_other_seed_differs(corpus):
     for a, b in zip(first, again, strict=True):
         assert all(np.array_equal(a[key], b[key]) for key in a)
     assert not all(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, other, strict=True))
-    assert set(first[0]) == {"input_ids", "segment_ids", "positions"}
+    assert set(first[0]) == {"input_ids", "segment_ids", "positions", "loss_mask"}
+    assert all(np.array_equal(b["loss_mask"], b["segment_ids"] > 0) for b in first)  # text: every real token
     assert all(value.dtype == np.int32 and value.shape == (BATCH, SEQ_LEN) for value in first[0].values())
 
 

@@ -1,9 +1,8 @@
 """Distributed training: mesh validation, sharding rules, and (in subprocesses with 8 fake CPU
 devices) loss and gradients on data/fsdp/tensor/expert/pipeline meshes equal to one device.
 
-The mesh checks run in two subprocesses, the plain meshes and the variants, each in its own xdist
-group so the two can run on different workers at once; every test of one group reads the same
-subprocess's results."""
+The mesh checks run in one subprocess (one JAX start-up and one single-device reference for all
+meshes and variants), in one xdist group: every test of the group reads its results."""
 
 import json
 import os
@@ -26,8 +25,7 @@ VARIANTS = ["data=2,expert=4@cf=1", "fsdp=2,tensor=2,expert=2@step", "data=2,exp
 RTOL = 1e-5
 
 
-MESH_GROUP = pytest.mark.xdist_group("parallel_meshes")
-VARIANT_GROUP = pytest.mark.xdist_group("parallel_variants")
+MESH_CHECKS = pytest.mark.xdist_group("parallel_mesh_checks")  # the tests reading the subprocess's results
 
 
 def run_checks(meshes):
@@ -40,28 +38,23 @@ def run_checks(meshes):
 
 
 @pytest.fixture(scope="module")
-def mesh_results():
-    return run_checks(MESHES)
+def results():
+    return run_checks(MESHES + VARIANTS)
 
 
-@pytest.fixture(scope="module")
-def variant_results():
-    return run_checks(VARIANTS)
-
-
-@MESH_GROUP
+@MESH_CHECKS
 @pytest.mark.parametrize("mesh", MESHES)
-def test_loss_and_gradients_equal_single_device(mesh_results, mesh):
-    result = mesh_results[(mesh, "")]
+def test_loss_and_gradients_equal_single_device(results, mesh):
+    result = results[(mesh, "")]
     assert result["loss_rel"] < RTOL
     assert result["grad_rel"] < RTOL
     assert result["dropped"] == 0.0  # dropless by default
 
 
-@MESH_GROUP
+@MESH_CHECKS
 @pytest.mark.parametrize("mesh", MESHES)
-def test_compiled_program_holds_the_expected_collectives(mesh_results, mesh):
-    result = mesh_results[(mesh, "")]
+def test_compiled_program_holds_the_expected_collectives(results, mesh):
+    result = results[(mesh, "")]
     if "expert=" in mesh:
         assert result["all_to_all"]  # expert parallelism dispatches tokens
     elif not mesh.startswith("pipeline="):  # (microbatch reshapes may reshard with all-to-all)
@@ -70,31 +63,31 @@ def test_compiled_program_holds_the_expected_collectives(mesh_results, mesh):
         assert result["collective_permute"]  # stages pass activations
 
 
-@VARIANT_GROUP
-def test_capacity_factor_drops_and_reports_tokens(variant_results):
-    result = variant_results[("data=2,expert=4", "cf=1")]
+@MESH_CHECKS
+def test_capacity_factor_drops_and_reports_tokens(results):
+    result = results[("data=2,expert=4", "cf=1")]
     assert 0 < result["dropped"] < result["copies"]
     assert result["loss_rel"] > 0  # dropped copies change the output
 
 
-@VARIANT_GROUP
-def test_pallas_kernels_run_per_device_and_match(variant_results):
-    result = variant_results[("fsdp=2,tensor=2,expert=2", "pallas")]
+@MESH_CHECKS
+def test_pallas_kernels_run_per_device_and_match(results):
+    result = results[("fsdp=2,tensor=2,expert=2", "pallas")]
     # A kernel sees its device's rows (batch 8 over fsdp x expert = 4) and heads (4 over tensor = 2).
     assert result["local_shape"] == [2, 3, 2, 2]
     assert result["loss_rel"] < RTOL and result["grad_rel"] < RTOL  # vs the same kernels on one device
     assert result["reference_loss_rel"] < 1e-4  # and the kernels agree with the jnp reference
 
 
-@VARIANT_GROUP
-def test_ragged_dispatch_lowers_to_ragged_all_to_all(variant_results):
+@MESH_CHECKS
+def test_ragged_dispatch_lowers_to_ragged_all_to_all(results):
     # Forward: tokens out and results back (rows + expert ids each way); backward: the transposes.
-    assert variant_results[("data=2,expert=4", "ragged")]["ragged_all_to_all"] >= 4
+    assert results[("data=2,expert=4", "ragged")]["ragged_all_to_all"] >= 4
 
 
-@VARIANT_GROUP
-def test_sharded_train_step_keeps_shardings_and_matches(variant_results):
-    result = variant_results[("fsdp=2,tensor=2,expert=2", "step")]
+@MESH_CHECKS
+def test_sharded_train_step_keeps_shardings_and_matches(results):
+    result = results[("fsdp=2,tensor=2,expert=2", "step")]
     assert result["step"] == 1 and result["shardings_kept"]
     assert result["loss_rel"] < RTOL and result["grad_norm_rel"] < RTOL
 

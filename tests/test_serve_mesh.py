@@ -1,8 +1,8 @@
 """Serving on a mesh of 8 simulated CPU devices (tests/serve_mesh_checks.py in a subprocess):
 through the HTTP API, with prefix caching and preemption active, greedy completions and their
 log-probs on `expert=8` (float weights) and `tensor=2,expert=4` (FP8-quantized weights) equal
-those of one device serving the same weights, and the weights were loaded straight into their
-shardings."""
+the full forward's on one device with the same weights, and the weights were loaded straight into
+their shardings."""
 
 import json
 import os
@@ -30,8 +30,7 @@ def results():
 
 def test_mesh_serving_equals_one_device(results):
     for mesh in MESHES:
-        single = results["1@fp8" if mesh.endswith("@fp8") else "1"]
-        assert single["preemptions"] > 0 and min(single["cached"]) >= 12
+        single = results["1@fp8" if mesh.endswith("@fp8") else "1"]  # glm5_jax.forward on one device
         got = results[mesh]
         assert got["placed"], f"{mesh}: weights not in their shardings"
         assert got["tokens"] == single["tokens"], mesh

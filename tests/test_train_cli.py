@@ -13,11 +13,16 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from glm_files import glm_data_dir
 
 import glm5_jax
 from glm5_jax.checkpoint.hf_io import read_config
+from glm5_jax.data import SourceSpec, load_tokenizer, make_validation_batches
+from glm5_jax.data.templated import preference_pairs as templated_pairs
+from glm5_jax.data.templated import stdlib_conversations
 from glm5_jax.model import ModelConfig
 from glm5_jax.runs import load_run
+from glm5_jax.serve.chat import ChatRenderer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,22 +170,65 @@ def validation_losses(workdir) -> dict[int, float]:
 
 
 @pytest.mark.xdist_group("train_cli_run")
-def test_fine_tuning_starts_from_an_hf_checkpoint_and_resumes(uninterrupted, exported, tmp_path, data_glob):
-    """init_from an HF checkpoint: its architecture, weights and tokenizer; the optimizer starts
-    fresh; re-running resumes the fine-tuning run, not the init."""
+def test_fine_tuning_on_chat_data_from_an_hf_checkpoint_resumes(uninterrupted, exported, tmp_path):
+    """init_from an HF checkpoint with the GLM-5 chat template: its architecture, weights,
+    tokenizer and template; chat data trains on assistant tokens; the optimizer starts fresh;
+    re-running resumes the fine-tuning run, not the init."""
+    checkpoint = tmp_path / "hf"
+    shutil.copytree(exported, checkpoint)
+    shutil.copyfile(glm_data_dir() / "glm-5" / "chat_template.jinja", checkpoint / "chat_template.jinja")
+    chat = tmp_path / "chat.jsonl"
+    # ~60 conversations: the held-out 20% (by a hash of path:line) always has some that fit.
+    conversations = stdlib_conversations(["bisect", "colorsys", "fnmatch", "glob", "shlex"])
+    chat.write_text("".join(json.dumps(c) + "\n" for c in conversations))
     workdir = tmp_path / "tuned"
-    tune = (f"--config.init_from={exported}", "--config.num_train_steps=2", "--config.checkpoint_every=2")
-    result = run_train(workdir, data_glob, *tune)
+    tune = (f"--config.init_from={checkpoint}", "--config.num_train_steps=2", "--config.checkpoint_every=2",
+            "--config.data.seq_len=256")
+    result = run_train(workdir, f"chat:{chat}", *tune)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"initialised from {exported}" in result.stdout
-    # Step 0 evaluates the loaded weights: the source run's last validation loss, exactly.
-    source = validation_losses(uninterrupted)
-    assert validation_losses(workdir)[0] == source[max(source)]
-    assert (workdir / "tokenizer.json").read_text() == (exported / "tokenizer.json").read_text()
+    assert f"initialised from {checkpoint}" in result.stdout
+    assert (workdir / "tokenizer.json").read_text() == (checkpoint / "tokenizer.json").read_text()
+    assert (workdir / "chat_template.jinja").read_text() == (checkpoint / "chat_template.jinja").read_text()
     recorded = json.loads((workdir / "run_config.json").read_text())["model"]  # the whole architecture
-    assert ModelConfig.from_dict(recorded) == read_config(exported)
-    result = run_train(workdir, data_glob, *tune[:1], "--config.num_train_steps=3")
+    assert ModelConfig.from_dict(recorded) == read_config(checkpoint)
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["chat_data/train/examples"] > 0 and records[0]["chat_data/train/target_tokens"] > 0
+    # Step 0 evaluates the loaded weights on the held-out conversations' assistant tokens.
+    config, params = glm5_jax.load_pretrained(checkpoint)
+    batches = make_validation_batches(
+        [SourceSpec(kind="chat_jsonl", paths=(str(chat),))],
+        load_tokenizer(str(checkpoint / "tokenizer.json")),
+        seq_len=256, batch_size=4, seed=0, validation_fraction=0.2, max_batches=2,
+        chat_renderer=ChatRenderer((checkpoint / "chat_template.jinja").read_text()))
+    assert batches and all(0 < b["loss_mask"].sum() < (b["segment_ids"] > 0).sum() for b in batches)
+    nats = tokens = 0.0
+    for batch in batches:
+        logits = np.asarray(glm5_jax.forward(config, params, batch["input_ids"], batch["positions"],
+                                             batch["segment_ids"]), np.float64)[:, :-1]
+        shifted = logits - logits.max(-1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        targets = batch["input_ids"][:, 1:]
+        weights = ((batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1])
+                   & (batch["segment_ids"][:, 1:] > 0)
+                   & (batch["loss_mask"][:, 1:] > 0))
+        nats -= float(np.sum(np.take_along_axis(log_probs, targets[..., None], -1)[..., 0] * weights))
+        tokens += float(weights.sum())
+    np.testing.assert_allclose(validation_losses(workdir)[0], nats / tokens, rtol=1e-5)
+    result = run_train(workdir, f"chat:{chat}", *tune[:1], tune[3], "--config.num_train_steps=3")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resuming at step 2" in result.stdout and "initialised from" not in result.stdout
     assert sorted(losses(workdir)) == [1, 2, 3]
     # (A config that disagrees with the checkpoint's architecture: tests/test_finetune.py.)
+
+    # DPO from the same checkpoint on preference pairs: the reference is the starting weights, so
+    # the held-out reward margin starts at exactly 0; steps log their margin and accuracy.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p) + "\n" for p in templated_pairs(conversations)))
+    result = run_train(tmp_path / "dpo", f"pairs:{pairs}", tune[0], tune[3], "--config.objective=dpo",
+                       "--config.num_train_steps=2", "--config.eval_every=2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in records if "val_reward_margin" in r]
+    assert [r["step"] for r in evaluations] == [0, 2] and evaluations[0]["val_reward_margin"] == 0.0
+    assert all("reward_margin" in r and "reward_accuracy" in r for r in records if "loss" in r)
+    assert evaluations[1]["val_dpo_loss"] != evaluations[0]["val_dpo_loss"]

@@ -1,6 +1,16 @@
-"""A tiny training config for the train.py tests: `--config tests/train_config.py:<data glob>`."""
+"""A tiny training config for the train.py tests: `--config tests/train_config.py:<data glob>`, or
+`tests/train_config.py:chat:<path>` for chat_jsonl data, `...:pairs:<path>` for preference pairs."""
 
 import ml_collections
+
+KINDS = {"chat": "chat_jsonl", "pairs": "preference_jsonl"}
+
+
+def source(data: str) -> dict:
+    prefix, _, path = data.partition(":")
+    if prefix in KINDS:
+        return dict(kind=KINDS[prefix], name=f"test_{prefix}", paths=[path], weight=1.0)
+    return dict(kind="files", name="test_files", paths=[data], weight=1.0)
 
 
 def get_config(data_glob: str = "") -> ml_collections.ConfigDict:
@@ -14,7 +24,7 @@ def get_config(data_glob: str = "") -> ml_collections.ConfigDict:
         eos_token_ids=[0], pad_token_id=0, bos_token_id=None, initializer_range=0.02))
     config.execution = ml_collections.ConfigDict(dict(moe_impl="dense"))
     config.data = ml_collections.ConfigDict(dict(
-        sources=[dict(kind="files", name="test_files", paths=[data_glob], weight=1.0)],
+        sources=[source(data_glob)],
         tokenizer_path="", vocab_size=512, cache_dir="", seq_len=32, validation_fraction=0.2,
         seed=0))
     config.num_train_steps = 12
@@ -29,4 +39,6 @@ def get_config(data_glob: str = "") -> ml_collections.ConfigDict:
     config.max_bad_steps = 2
     config.init_from = ""  # fine-tuning: set by --config.init_from=PATH
     config.frozen = ()
+    config.objective = "lm"
+    config.dpo_beta = 0.1
     return config

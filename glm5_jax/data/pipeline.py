@@ -12,7 +12,14 @@ Training (per source, then mixed):
     -> IterDataset.mix(equal weights)       the streams' rows round-robin
     -> IterDataset.mix(weights)             rows interleaved deterministically in weight proportion,
                                             so weights are shares of training tokens
-    -> batch                                {input_ids, segment_ids, positions}: int32 [batch, seq_len]
+    -> batch                                {input_ids, segment_ids, positions, loss_mask}:
+                                            int32 [batch, seq_len]
+
+Chat sources (kind "chat_jsonl", glm5_jax/data/chat.py) are tokenised up front into examples with a
+loss mask on the assistant turns (their counts land in a ChatStatistics), then shuffled, repeated
+and packed whole with first-fit packing (FirstFitPackIterDataset): an example is never split
+across rows, so a target never loses its context; examples longer than seq_len were cut (counted).
+Text rows have loss_mask 1 on every real token.
 
 A document piece continued from the previous row starts a new segment at position 0 (grain's
 ConcatThenSplit behaviour): attention never crosses rows, so its positions restart with its context.
@@ -31,7 +38,7 @@ from typing import Any
 
 import grain
 import numpy as np
-from grain.experimental import ConcatThenSplitIterDataset
+from grain.experimental import ConcatThenSplitIterDataset, FirstFitPackIterDataset
 from tokenizers import Tokenizer
 
 from glm5_jax.data.sources import Document, SourceSpec, load_documents, split_documents
@@ -39,9 +46,7 @@ from glm5_jax.data.tokenizer import end_of_text_id
 
 Batch = dict[str, np.ndarray]
 _FEATURE = "input_ids"
-# ConcatThenSplit names its outputs after the packed feature.
-_OUTPUT_NAMES = {_FEATURE: "input_ids", f"{_FEATURE}_segment_ids": "segment_ids",
-                 f"{_FEATURE}_positions": "positions"}
+BATCH_FEATURES = ("input_ids", "segment_ids", "positions", "loss_mask")
 # Tokenising in a few threads keeps ahead of training on small hosts; HF tokenizers drop the GIL.
 _READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=16)
 
@@ -114,10 +119,82 @@ def validation_documents(
     return pooled
 
 
+def _row_features(row: dict[str, np.ndarray]) -> Batch:
+    """A packed row under the batch names (grain names segment ids and positions after the feature);
+    rows without a loss mask (text) train on every real token."""
+    segment_ids = row[f"{_FEATURE}_segment_ids"]
+    loss_mask = row["loss_mask"] if "loss_mask" in row else (segment_ids > 0)
+    return {"input_ids": row[_FEATURE], "segment_ids": segment_ids, "positions": row[f"{_FEATURE}_positions"],
+            "loss_mask": loss_mask.astype(np.int32)}
+
+
 def _packed_rows(texts: grain.MapDataset, tokenizer: Tokenizer, seq_len: int) -> grain.IterDataset:
-    """Texts -> tokenised -> packed rows {input_ids, input_ids_segment_ids, input_ids_positions} [seq_len]."""
+    """Texts -> tokenised -> packed rows {input_ids, segment_ids, positions, loss_mask} [seq_len]."""
     tokens = texts.map(_Tokenise(tokenizer)).to_iter_dataset(_READ_OPTIONS)
-    return ConcatThenSplitIterDataset(tokens, length_struct={_FEATURE: seq_len})
+    return ConcatThenSplitIterDataset(tokens, length_struct={_FEATURE: seq_len}).map(_row_features)
+
+
+def _packed_examples(examples: grain.MapDataset, seq_len: int, bins: int) -> grain.IterDataset:
+    """Chat examples ({input_ids, loss_mask} of at most seq_len) packed whole into rows (first fit)."""
+    packed = FirstFitPackIterDataset(examples.to_iter_dataset(_READ_OPTIONS),
+                                     length_struct={_FEATURE: seq_len, "loss_mask": seq_len},
+                                     num_packing_bins=bins, shuffle_bins=False)
+    return packed.map(_row_features)
+
+
+def _chat_examples(documents: Sequence[Document], spec: SourceSpec, tokenizer: Tokenizer, seq_len: int,
+                   renderer, statistics, required: bool = True) -> list:
+    """The source's chat examples; with `required`, none is an error naming the source (training)."""
+    from glm5_jax.data.chat import ChatStatistics, chat_examples  # jinja2 only when chat data is used
+    from glm5_jax.serve.chat import ChatRenderer
+
+    examples, counts = chat_examples(documents, renderer or ChatRenderer(None), tokenizer, seq_len)
+    if statistics is not None:
+        statistics.add(counts)
+    if not examples and required:
+        raise ValueError(f"source {spec.name!r}: no conversation has an assistant turn to train on "
+                         f"({ChatStatistics.as_dict(counts)})")
+    return examples
+
+
+def _preference_sources(sources: Sequence[SourceSpec]) -> bool:
+    """True when the sources are preference pairs (DPO); they cannot be mixed with other kinds."""
+    kinds = {spec.kind == "preference_jsonl" for spec in sources}
+    if len(kinds) > 1:
+        raise ValueError("preference_jsonl sources (DPO pairs) cannot be mixed with other source kinds")
+    return kinds == {True}
+
+
+def _pairs(documents: Sequence[Document], spec: SourceSpec, tokenizer: Tokenizer, seq_len: int, renderer,
+           statistics, required: bool = True) -> list:
+    """The source's preference pairs; with `required`, none is an error naming the source (training)."""
+    from glm5_jax.data.preference import preference_pairs  # jinja2 only when chat data is used
+    from glm5_jax.serve.chat import ChatRenderer
+
+    pairs, counts = preference_pairs(documents, renderer or ChatRenderer(None), tokenizer, seq_len)
+    if statistics is not None:
+        statistics.add(counts)
+    if not pairs and required:
+        raise ValueError(f"source {spec.name!r}: no preference pair fits seq_len={seq_len}")
+    return pairs
+
+
+def _pair_batches(pairs: grain.IterDataset, batch_size: int) -> grain.IterDataset:
+    """Pairs ([2, T] per feature) -> batches of batch_size rows [B, T]: chosen rows even, rejected odd."""
+    if batch_size % 2:
+        raise ValueError(f"batch_size ({batch_size}) must be even for preference pairs (a chosen and a "
+                         "rejected row each)")
+    return pairs.batch(batch_size // 2, drop_remainder=True).map(
+        lambda batch: {name: value.reshape((-1,) + value.shape[2:]) for name, value in batch.items()})
+
+
+def _chat_rows(documents: Sequence[Document], spec: SourceSpec, tokenizer: Tokenizer, seq_len: int,
+               bins: int, seed: int, source_index: int, renderer, statistics) -> grain.IterDataset:
+    """One chat source's endless packed rows, reshuffled every epoch."""
+    examples = _chat_examples(documents, spec, tokenizer, seq_len, renderer, statistics)
+    shuffle_seed = _derived_seed(seed, "shuffle", source_index)
+    examples = grain.MapDataset.source(examples).shuffle(shuffle_seed).repeat()
+    return _packed_examples(examples, seq_len, bins)
 
 
 def _interleaved_rows(documents: Sequence[Document], tokenizer: Tokenizer, seq_len: int, streams: int,
@@ -140,8 +217,8 @@ def _interleaved_rows(documents: Sequence[Document], tokenizer: Tokenizer, seq_l
 
 
 def _rename(batch: dict[str, np.ndarray]) -> Batch:
-    """Grain's feature names -> input_ids / segment_ids / positions, all int32."""
-    return {name: np.asarray(batch[key], dtype=np.int32) for key, name in _OUTPUT_NAMES.items()}
+    """The batch features, all int32."""
+    return {name: np.asarray(batch[name], dtype=np.int32) for name in BATCH_FEATURES}
 
 
 def _json_state(state: Any) -> Any:
@@ -192,7 +269,8 @@ def _check_shapes(seq_len: int, batch_size: int) -> None:
 
 def make_train_iterator(
     sources: Sequence[SourceSpec], tokenizer: Tokenizer, *, seq_len: int, batch_size: int, seed: int,
-    validation_fraction: float, shard_index: int = 0, shard_count: int = 1,
+    validation_fraction: float, shard_index: int = 0, shard_count: int = 1, chat_renderer=None,
+    chat_statistics=None,
 ) -> grain.DatasetIterator:
     """An endless, deterministic iterator of packed training batches for this shard.
 
@@ -204,10 +282,15 @@ def make_train_iterator(
         seed: seeds the split and the per-epoch shuffles.
         validation_fraction: share of documents held out (must match make_validation_batches).
         shard_index, shard_count: this host's disjoint share of the training documents.
+        chat_renderer: a glm5_jax.serve.chat.ChatRenderer for chat_jsonl sources (None: the
+            built-in GLM-5 format).
+        chat_statistics: a glm5_jax.data.chat.ChatStatistics that counts the chat examples kept,
+            truncated and skipped (optional).
     Returns:
-        grain DatasetIterator yielding {"input_ids", "segment_ids", "positions"}: int32
+        grain DatasetIterator yielding {"input_ids", "segment_ids", "positions", "loss_mask"}: int32
         [batch_size, seq_len]; segment_ids are 1-based per document piece within a row (0 = padding),
-        positions restart at 0 with each segment. get_state()/set_state() round-trip through JSON.
+        positions restart at 0 with each segment, loss_mask is 1 on tokens that are targets.
+        get_state()/set_state() round-trip through JSON.
     """
     _check_shapes(seq_len, batch_size)
     if not sources:
@@ -216,8 +299,17 @@ def make_train_iterator(
         sources, seed=seed, validation_fraction=validation_fraction,
         shard_index=shard_index, shard_count=shard_count,
     )
-    per_source = [_interleaved_rows(documents, tokenizer, seq_len, batch_size, seed, index)
-                  for index, documents in enumerate(shards)]
+    if _preference_sources(sources):
+        pairs = [pair for spec, documents in zip(sources, shards, strict=True) for pair in
+                 _pairs(documents, spec, tokenizer, seq_len, chat_renderer, chat_statistics)]
+        pairs = grain.MapDataset.source(pairs).shuffle(_derived_seed(seed, "shuffle", "pairs")).repeat()
+        return _BatchDataset(_pair_batches(pairs.to_iter_dataset(_READ_OPTIONS), batch_size)).__iter__()
+    per_source = [
+        _chat_rows(documents, spec, tokenizer, seq_len, batch_size, seed, index,
+                   chat_renderer, chat_statistics)
+        if spec.kind == "chat_jsonl"
+        else _interleaved_rows(documents, tokenizer, seq_len, batch_size, seed, index)
+        for index, (spec, documents) in enumerate(zip(sources, shards, strict=True))]
     rows = per_source[0] if len(per_source) == 1 else grain.IterDataset.mix(
         per_source, weights=[spec.weight for spec in sources]
     )
@@ -226,36 +318,65 @@ def make_train_iterator(
 
 def make_validation_batches(
     sources: Sequence[SourceSpec], tokenizer: Tokenizer, *, seq_len: int, batch_size: int, seed: int,
-    validation_fraction: float, max_batches: int,
+    validation_fraction: float, max_batches: int, chat_renderer=None, chat_statistics=None,
 ) -> list[Batch]:
     """Deterministic validation batches from the validation documents only, each read at most once.
 
-    Documents of all sources are shuffled together (fixed by seed) so a max_batches prefix covers
-    every source, then packed like training. The last row is padded with segment 0, and the last
+    Text documents of all sources are shuffled together (fixed by seed) so a max_batches prefix
+    covers every source, then packed like training; chat conversations likewise, packed whole;
+    when both exist their rows alternate. The last row is padded with segment 0, and the last
     batch with all-zero rows, so every batch has the same shape.
 
     Args:
-        sources, tokenizer, seq_len, batch_size, seed, validation_fraction: as make_train_iterator.
-        max_batches: at most this many batches (only the needed documents are tokenised).
+        sources, tokenizer, seq_len, batch_size, seed, validation_fraction, chat_renderer,
+        chat_statistics: as make_train_iterator.
+        max_batches: at most this many batches (only the needed text documents are tokenised).
     Returns:
-        list of {"input_ids", "segment_ids", "positions"}: int32 [batch_size, seq_len]; empty when
-        validation_fraction is 0.
+        list of {"input_ids", "segment_ids", "positions", "loss_mask"}: int32 [batch_size, seq_len];
+        empty when validation_fraction is 0.
     """
     _check_shapes(seq_len, batch_size)
     if validation_fraction == 0 or max_batches <= 0:
         return []
-    documents = validation_documents(sources, seed=seed, validation_fraction=validation_fraction)
-    if not documents:
-        return []
-    texts = grain.MapDataset.source([document.text for document in documents])
-    texts = texts.shuffle(_derived_seed(seed, "validation"))
-    iterator = _BatchDataset(_packed_rows(texts, tokenizer, seq_len).batch(batch_size)).__iter__()
+    if _preference_sources(sources):
+        documents = validation_documents(sources, seed=seed, validation_fraction=validation_fraction)
+        pairs = (_pairs(documents, sources[0], tokenizer, seq_len, chat_renderer, chat_statistics,
+                        required=False) if documents else [])
+        pairs = pairs[:max_batches * (batch_size // 2)]
+        if not pairs:
+            return []
+        padding = {name: np.zeros_like(value) for name, value in pairs[0].items()}  # a pair of no tokens
+        pairs += [padding] * (-len(pairs) % (batch_size // 2))
+        return list(_pair_batches(grain.MapDataset.source(pairs).to_iter_dataset(), batch_size))
+    streams = []
+    text_sources = [spec for spec in sources if spec.kind != "chat_jsonl"]
+    documents = validation_documents(text_sources, seed=seed, validation_fraction=validation_fraction)
+    if documents:
+        texts = grain.MapDataset.source([document.text for document in documents])
+        shuffled = texts.shuffle(_derived_seed(seed, "validation"))
+        streams.append(iter(_packed_rows(shuffled, tokenizer, seq_len)))
+    for spec in (spec for spec in sources if spec.kind == "chat_jsonl"):
+        chat_documents = validation_documents([spec], seed=seed, validation_fraction=validation_fraction)
+        if chat_documents:
+            examples = _chat_examples(chat_documents, spec, tokenizer, seq_len,
+                                      chat_renderer, chat_statistics, required=False)
+            if examples:
+                streams.append(iter(_packed_examples(grain.MapDataset.source(examples), seq_len, batch_size)))
+    rows = []
+    while streams and len(rows) < max_batches * batch_size:
+        for stream in list(streams):
+            row = next(stream, None)
+            if row is None:
+                streams.remove(stream)
+            else:
+                rows.append(_rename(row))
+    rows = rows[:max_batches * batch_size]
     batches = []
-    for batch in iterator:
-        rows = batch["input_ids"].shape[0]
-        if rows < batch_size:
-            batch = {name: np.pad(value, ((0, batch_size - rows), (0, 0))) for name, value in batch.items()}
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        batch = {name: np.stack([row[name] for row in chunk]) for name in BATCH_FEATURES}
+        if len(chunk) < batch_size:
+            padding = ((0, batch_size - len(chunk)), (0, 0))
+            batch = {name: np.pad(value, padding) for name, value in batch.items()}
         batches.append(batch)
-        if len(batches) == max_batches:
-            break
     return batches

@@ -1,13 +1,17 @@
 """Text sources for training: what a source is, how its documents are read, and the train/validation split.
 
 A source is described by a frozen `SourceSpec` (usually built from a config dict with
-`source_spec_from_dict`). Three kinds exist:
+`source_spec_from_dict`). Five kinds exist:
 
     python_stdlib   the local Python installation's standard-library `*.py` files (site-packages
                     and dist-packages excluded) plus Debian python3-doc reST sources when installed.
                     Present on every machine, so the demo trains without downloads.
     files           plain-text files named by paths or globs (`**` recurses).
     jsonl           JSON-lines files; each line is an object and `field` names the text.
+    chat_jsonl      JSON-lines files of OpenAI-style conversations (glm5_jax/data/chat.py): each
+                    line is one document, rendered with a chat template and trained on its
+                    assistant turns only.
+    preference_jsonl JSON-lines preference pairs for DPO (glm5_jax/data/preference.py).
 
 `load_documents` returns `Document`s in a deterministic order (sorted paths, then line order) with ids
 that do not depend on where Python is installed. `split_documents` assigns each document to train
@@ -27,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-SOURCE_KINDS = ("python_stdlib", "files", "jsonl")
+SOURCE_KINDS = ("python_stdlib", "files", "jsonl", "chat_jsonl", "preference_jsonl")
 # Folders of third-party code living inside the stdlib tree; not standard-library text.
 _EXCLUDED_STDLIB_PARTS = frozenset({"site-packages", "dist-packages"})
 # Debian's python3-doc package ships the reST sources of the documentation here.
@@ -199,6 +203,14 @@ def _jsonl_documents(doc_id: str, path: Path, field: str) -> Iterable[Document]:
                 yield Document(where, text)
 
 
+def _line_documents(doc_id: str, path: Path) -> Iterable[Document]:
+    """One document per non-blank line (kept verbatim; chat_jsonl lines are parsed when tokenised)."""
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        for line_number, line in enumerate(handle, 1):
+            if line.strip():
+                yield Document(f"{doc_id}:{line_number}", line)
+
+
 def load_documents(spec: SourceSpec) -> list[Document]:
     """Reads every document of a source in a deterministic order.
 
@@ -211,6 +223,9 @@ def load_documents(spec: SourceSpec) -> list[Document]:
     for doc_id, path in resolve_source_files(spec):
         if spec.kind == "jsonl":
             documents.extend(_jsonl_documents(doc_id, path, spec.field))
+            continue
+        if spec.kind in ("chat_jsonl", "preference_jsonl"):
+            documents.extend(_line_documents(doc_id, path))
             continue
         text = _read_text(path)
         if text and text.strip():

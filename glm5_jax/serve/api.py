@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics (Prometheus), and vLLM's /tokenize, /detokenize and /tokenizer_info.
+/metrics (Prometheus), vLLM's /tokenize, /detokenize and /tokenizer_info, and /v1/feedback.
 
 Requests become SamplingParams and token ids for the engine; engine events become text
 (textstream.py: incremental detokenisation, stop strings, EOS text kept out) and, for chat, the
@@ -11,7 +11,8 @@ keys and their per-minute limits come from the server config (server_config.py);
 limit is answered 429 with Retry-After (limits.py). Bodies over max_body_bytes get 413; a full
 engine queue or a failed engine 503; a request that fails inside the engine a generic 500 (or, once
 streaming, a final error event). Tokenizing and chat-template rendering run in worker threads so
-that a long prompt does not hold up other streams.
+that a long prompt does not hold up other streams. With a feedback log (feedback_log.py), every finished
+answer is recorded there and POST /v1/feedback rates it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from glm5_jax.serve.chat_constraints import (
 from glm5_jax.serve.chat_output import ChatOutput, message
 from glm5_jax.serve.choices import Choices, respond
 from glm5_jax.serve.errors import APIError, add_error_handlers
+from glm5_jax.serve.feedback_log import FeedbackLog, FeedbackRequest, answer_feedback, recording
 from glm5_jax.serve.limits import RateLimited, RateLimiter, Reservation
 from glm5_jax.serve.logprobs import (
     chat_logprobs,
@@ -68,7 +70,7 @@ MAX_GENERATIONS = 256  # prompts x n of one /v1/completions request
 SYSTEM_FINGERPRINT = "glm5-jax"
 # Endpoints counted by name in glm5_requests_total; anything else is "other" (bounded label values).
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-             "/detokenize", "/tokenizer_info")
+             "/detokenize", "/tokenizer_info", "/v1/feedback")
 # Far above any prompt the context allows (128k token ids as JSON are ~1 MB), far below memory trouble.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -127,7 +129,8 @@ def _prompt_list(prompt) -> list:
 def create_app(engine, model_id: str, *, api_key: str | None = None, chat_template: str | None = None,
                special_tokens: Mapping[str, str] | None = None, server_config: ServerConfig | None = None,
                metrics: ServerMetrics | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               reasoning_parser: str = "glm45", clock=time.monotonic) -> FastAPI:
+               reasoning_parser: str = "glm45", feedback_log: FeedbackLog | None = None,
+               clock=time.monotonic) -> FastAPI:
     """The API app for `engine` serving `model_id`.
 
     api_key: when set, /v1/* (and /tokenize, /detokenize) require `Authorization: Bearer <api_key>`
@@ -138,7 +141,9 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     metrics: the ServerMetrics also given to the engine as its observer; None makes one that only
     sees the HTTP layer. max_body_bytes: larger request bodies get 413. reasoning_parser: "glm45"
     splits the thinking block out of chat answers (reasoning_content), "none" leaves it in the
-    content. clock: the rate limiter's clock (seconds), for tests.
+    content. feedback_log: when given, every finished answer is recorded in it and POST /v1/feedback
+    rates answers (without one, /v1/feedback answers 404). clock: the rate limiter's clock (seconds),
+    for tests.
 
     The engine contract beyond submit(): submit raises QueueFullError (answered 503 + Retry-After) or
     EngineUnavailableError (503); a stream may end with finish_reason "error" (a generic 500, or a
@@ -242,6 +247,9 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         its n choices may produce)."""
         n = body.n or 1
         caller = request.state.caller
+        if feedback_log is not None and params.logprobs is None:
+            # The sampled tokens' log-probs (the log's confidence): free, the engine computes them anyway.
+            params = dataclasses.replace(params, logprobs=0)
         most = sum(len(ids) + n * min(params.max_tokens, engine.max_context - len(ids)) for ids in prompts)
         try:
             reservation = limiter.acquire(caller.key, most)
@@ -369,6 +377,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
                 answers.append(answer)
             return {**base, "choices": answers, "usage": choices.usage()}
 
+        chunks, response = recording(feedback_log, "completions", base, {"prompts": prompts}, params, choices,
+                                     chunks, response)
         return await respond(request, bool(body.stream), _include_usage(body), choices, base, [], chunks,
                              response)
 
@@ -434,8 +444,18 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
 
         first = [chunk(index, None, None, {"role": "assistant", "content": ""})
                  for index in range(len(choices.generations))]
+        asked = {"messages": messages, "tools": body.tools, "tool_choice": body.tool_choice,
+                 "response_format": body.response_format}
+        chunks, response = recording(feedback_log, "chat", base, asked, params, choices, chunks, response)
         return await respond(request, bool(body.stream), _include_usage(body), choices, base, first, chunks,
                              response)
+
+    @v1.post("/v1/feedback")
+    async def feedback(request: Request):
+        if feedback_log is None:
+            raise APIError(404, "This server does not collect feedback: start serve.py with --feedback-dir "
+                                "DIR to rate answers with POST /v1/feedback", code="feedback_disabled")
+        return await answer_feedback(feedback_log, await _parse(request, FeedbackRequest, max_body_bytes))
 
     @v1.post("/tokenize")
     async def tokenize(request: Request):

@@ -10,6 +10,7 @@ conflict is an error naming each field). Weights load straight into the training
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -75,3 +76,18 @@ def load_tokenizer(path: str | os.PathLike) -> tokenizers.Tokenizer:
         raise FileNotFoundError(f"init_from: {path} has no tokenizer.json; fine-tuning needs the "
                                 "checkpoint's tokenizer")
     return tokenizers.Tokenizer.from_file(str(file))
+
+
+# What a checkpoint's chat template lives in (transformers' names); copied into a fine-tuning run
+# so chat data renders, and serve.py answers, as the released model expects.
+CHAT_FILES = ("chat_template.jinja", "tokenizer_config.json")
+
+
+def copy_chat_files(path: str | os.PathLike, workdir: str | os.PathLike) -> list[str]:
+    """Copies the checkpoint's chat template files into workdir; returns the names copied."""
+    copied = []
+    for name in CHAT_FILES:
+        if (Path(path) / name).is_file():
+            shutil.copyfile(Path(path) / name, Path(workdir) / name)
+            copied.append(name)
+    return copied

@@ -1,7 +1,8 @@
 """Training objectives: next-token cross-entropy (+ z-loss), the MTP loss, MoE balance loss.
 
 Rows are packed documents: a target exists at position t only when the token `offset` ahead
-belongs to the same document (segment id, 0 = padding).
+belongs to the same document (segment id, 0 = padding) and is marked as a target (`loss_mask`,
+when the batch has one: chat data trains on assistant tokens only).
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ import jax.numpy as jnp
 from glm5_jax.model.transformer import sown_values
 
 
-def shifted_targets(input_ids: jax.Array, segment_ids: jax.Array, offset: int):
+def shifted_targets(input_ids: jax.Array, segment_ids: jax.Array, offset: int,
+                    loss_mask: jax.Array | None = None):
     """Targets `offset` tokens ahead and their 0/1 weights.
 
-    input_ids, segment_ids: [B, T] -> (targets [B, T - offset] int32, weights [B, T - offset] f32).
+    input_ids, segment_ids: [B, T]; loss_mask: [B, T] (1 = this token is a target, e.g. assistant
+    tokens of chat data; None = every token) -> (targets [B, T - offset] int32, weights [B, T - offset] f32).
     """
     targets = input_ids[:, offset:]
     same_document = (segment_ids[:, offset:] == segment_ids[:, :-offset]) & (segment_ids[:, :-offset] > 0)
+    if loss_mask is not None:
+        same_document = same_document & (loss_mask[:, offset:] > 0)
     return targets.astype(jnp.int32), same_document.astype(jnp.float32)
 
 
@@ -33,12 +38,13 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array):
 
 
 def language_model_losses(outputs, input_ids, segment_ids, *, z_loss_weight: float,
-                          mtp_loss_weight: float, balance_loss_weight: float):
+                          mtp_loss_weight: float, balance_loss_weight: float, loss_mask=None):
     """The total loss and its parts from `apply_model(..., with_mtp, collect_intermediates)`.
 
+    loss_mask: [B, T] or None, as in shifted_targets.
     Returns (loss scalar, metrics dict of scalars, with sums so microbatches add up).
     """
-    targets, weights = shifted_targets(input_ids, segment_ids, 1)
+    targets, weights = shifted_targets(input_ids, segment_ids, 1, loss_mask)
     nats, log_normalizer = token_cross_entropy(outputs["logits"][:, :-1], targets)
     num_tokens = jnp.maximum(weights.sum(), 1.0)
     cross_entropy = jnp.sum(nats * weights) / num_tokens
@@ -47,7 +53,7 @@ def language_model_losses(outputs, input_ids, segment_ids, *, z_loss_weight: flo
     metrics = {"cross_entropy": cross_entropy, "z_loss": z_loss, "target_tokens": weights.sum()}
 
     if "mtp_logits" in outputs:
-        mtp_targets, mtp_weights = shifted_targets(input_ids, segment_ids, 2)
+        mtp_targets, mtp_weights = shifted_targets(input_ids, segment_ids, 2, loss_mask)
         mtp_nats, _ = token_cross_entropy(outputs["mtp_logits"][:, :-1], mtp_targets)
         mtp_loss = jnp.sum(mtp_nats * mtp_weights) / jnp.maximum(mtp_weights.sum(), 1.0)
         loss = loss + mtp_loss_weight * mtp_loss

@@ -39,6 +39,10 @@ class TrainSettings:
     init_from: str = ""
     trainable: tuple[str, ...] = ()
     frozen: tuple[str, ...] = ()
+    # "lm": next-token loss (on loss_mask tokens); "dpo": direct preference optimisation on
+    # preference_jsonl pairs against the frozen init_from weights (glm5_jax/train/dpo.py).
+    objective: str = "lm"
+    dpo_beta: float = 0.1
 
     @classmethod
     def from_config(cls, config) -> TrainSettings:
@@ -71,6 +75,13 @@ class TrainSettings:
         for field in ("trainable", "frozen"):
             require(all(isinstance(p, str) and p for p in getattr(self, field)), field,
                     "must be a list of parameter-path patterns (strings)")
+        require(self.objective in ("lm", "dpo"), "objective", "must be 'lm' or 'dpo'")
+        require(self.dpo_beta > 0, "dpo_beta", "must be > 0")
+        require(self.objective != "dpo" or bool(self.init_from), "objective",
+                "'dpo' needs init_from: the starting weights are also the frozen reference")
+        require(self.objective != "dpo" or (self.batch_size // self.grad_accum_steps) % 2 == 0, "batch_size",
+                "must give an even number of rows per microbatch for 'dpo' "
+                "(a chosen and a rejected row per pair)")
         for field in ("z_loss_weight", "mtp_loss_weight", "balance_loss_weight",
                       "router_bias_update_rate", "eval_batches"):
             require(getattr(self, field) >= 0, field, "must be >= 0")

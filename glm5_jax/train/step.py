@@ -19,10 +19,11 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.transformer import apply_model, param_shapes, sown_values
 from glm5_jax.parallel import sharding
+from glm5_jax.train.dpo import dpo_loss
 from glm5_jax.train.loss import expert_loads, language_model_losses, shifted_targets, token_cross_entropy
 from glm5_jax.train.settings import TrainSettings
 
-Batch = dict[str, jax.Array]  # input_ids, segment_ids, positions: [B, T] int32
+Batch = dict[str, jax.Array]  # input_ids, segment_ids, positions[, loss_mask]: [B, T] int32
 
 
 @flax.struct.dataclass
@@ -79,13 +80,17 @@ def make_loss_fn(config: ModelConfig, settings: TrainSettings, options: Executio
     """loss_fn(params, batch) -> (loss, (metrics, expert loads)) for one (micro)batch."""
 
     def loss_fn(params, micro: Batch):
+        dpo = settings.objective == "dpo"
         outputs = apply_model(config, params, micro["input_ids"], micro["positions"],
-                              micro["segment_ids"], with_mtp=bool(config.num_mtp_layers),
+                              micro["segment_ids"], with_mtp=bool(config.num_mtp_layers) and not dpo,
                               collect_intermediates=True, options=options)
+        if dpo:  # pairs against the frozen reference's log-probs, which travel in the batch
+            loss, metrics = dpo_loss(outputs["logits"], micro, settings.dpo_beta)
+            return loss, (metrics, expert_loads(outputs["intermediates"]))
         loss, metrics = language_model_losses(
             outputs, micro["input_ids"], micro["segment_ids"],
             z_loss_weight=settings.z_loss_weight, mtp_loss_weight=settings.mtp_loss_weight,
-            balance_loss_weight=settings.balance_loss_weight)
+            balance_loss_weight=settings.balance_loss_weight, loss_mask=micro.get("loss_mask"))
         dropped = [value for _, value in sown_values(outputs["intermediates"], "dropped_tokens")]
         if dropped:
             metrics["dropped_tokens"] = sum(jnp.sum(d) for d in dropped).astype(jnp.float32)
@@ -117,10 +122,14 @@ def make_train_step(config: ModelConfig, settings: TrainSettings,
             return jax.tree.map(jnp.add, totals, (grads, metrics, loads)), None
 
         first = jax.tree.map(lambda x: x[0], micro)
-        _, (metric_shapes, load_shapes) = jax.eval_shape(loss_fn, state.params, first)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (metric_shapes, load_shapes))
-        grad_zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        (grads, metrics, loads), _ = jax.lax.scan(accumulate, (grad_zeros, *zeros), micro)
+        if settings.grad_accum_steps == 1:  # no scan: one trace of the model instead of two
+            (_, (metrics, loads)), grads = grad_fn(state.params, first)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        else:
+            _, (metric_shapes, load_shapes) = jax.eval_shape(loss_fn, state.params, first)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (metric_shapes, load_shapes))
+            grad_zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            (grads, metrics, loads), _ = jax.lax.scan(accumulate, (grad_zeros, *zeros), micro)
         scale = 1.0 / settings.grad_accum_steps
         grads = jax.tree.map(lambda g: g * scale, grads)
         metrics = {k: (v if k == "target_tokens" else v * scale) for k, v in metrics.items()}
@@ -169,7 +178,8 @@ def make_eval_step(config: ModelConfig, token_bytes: jax.Array, options: Executi
     def eval_step(params, batch: Batch):
         logits = apply_model(config, params, batch["input_ids"], batch["positions"],
                              batch["segment_ids"], options=options)["logits"]
-        targets, weights = shifted_targets(batch["input_ids"], batch["segment_ids"], 1)
+        targets, weights = shifted_targets(batch["input_ids"], batch["segment_ids"], 1,
+                                           batch.get("loss_mask"))
         nats, _ = token_cross_entropy(logits[:, :-1], targets)
         return {"nats": jnp.sum(nats * weights), "tokens": jnp.sum(weights),
                 "bytes": jnp.sum(token_bytes[targets] * weights)}

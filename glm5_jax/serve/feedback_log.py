@@ -1,0 +1,350 @@
+"""The feedback log (serve.py --feedback-dir DIR): what the server answered, and what users thought of it.
+
+Every finished /v1/completions and /v1/chat/completions answer is appended to DIR as an
+`interaction` record; `POST /v1/feedback` appends a `feedback` record for a response id (of this
+server or of an earlier one over the same DIR). `python -m glm5_jax.data.feedback` turns the log into
+training data. Records are JSON objects, one per line (docs/feedback.md has the full schema):
+
+    {"type": "interaction", "id", "created", "model", "endpoint": "chat" | "completions",
+     "request": {"messages", "tools", "tool_choice", "response_format" (chat) | "prompts" (completions),
+                 "sampling": {"n", "max_tokens", "temperature", ...}},
+     "choices": [{"index", "prompt_index", "content", "reasoning_content", "tool_calls", "finish_reason",
+                  "confidence", "completion_tokens"}, ...],
+     "usage": {...}}
+    {"type": "feedback", "id", "index", "created", "rating", "correction"}
+
+`confidence` is the mean log-probability (under the model's raw distribution, before temperature
+and filters) of a choice's generated tokens, the ending EOS / stop token included; None when there
+are none. Crash safety: each server process appends to a file of its own
+(`feedback-<UTC start time>-<pid>.jsonl`, opened O_APPEND, mode 0600) with one write of a whole line
+followed by fsync, so a crash loses at most the record being written, which then shows as a
+truncated last line that the reader skips and counts. Writes run on one background thread, in
+order, so that the log never delays an answer; a failed interaction write is logged, never sent
+to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from glm5_jax.serve.errors import APIError
+from glm5_jax.serve.textstream import Piece
+from glm5_jax.serve.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+FILE_GLOB = "feedback-*.jsonl"
+RECORD_TYPES = ("interaction", "feedback")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids")
+
+
+class FeedbackLogError(OSError):
+    """The feedback directory cannot be created or written to (the message says which and why)."""
+
+
+class FeedbackRequest(BaseModel):
+    """The body of POST /v1/feedback. index: which choice is rated when the request asked for n > 1
+    (or sent several prompts); rating: -1 (bad) .. 1 (good); correction: the answer it should have been."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    rating: Annotated[float, Field(strict=True, ge=-1, le=1, allow_inf_nan=False)]
+    correction: str | None = None
+    index: Annotated[int, Field(strict=True, ge=0)] = 0
+
+
+# ---------------------------------------------------------------- writing and reading lines
+class JsonlAppender:
+    """Appends JSON records to `path`, one line each; a record is on disk (fsync'd) when append() returns.
+
+    Safe to call from several threads (a lock keeps lines whole). A file left by a writer that died
+    mid-record gets a newline first, so that the partial line stays a line of its own.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+        size = os.fstat(self._fd).st_size
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":
+            self._write(b"\n")
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the new file's directory entry survives a crash too
+        finally:
+            os.close(directory)
+
+    def append(self, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+        self._write(line.encode("utf-8"))
+
+    def _write(self, data: bytes) -> None:
+        with self._lock:
+            written = os.write(self._fd, data)
+            while written < len(data):  # a short write (a signal, a full disk): the rest follows it
+                written += os.write(self._fd, data[written:])
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+@dataclasses.dataclass
+class ReadReport:
+    """What read_records() found: files and records read, and the lines it skipped ("file:line: why")."""
+
+    files: int = 0
+    records: int = 0
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+
+def log_files(directory: str | os.PathLike) -> list[Path]:
+    """The log's files in DIR, in name (= start time) order."""
+    return sorted(Path(directory).glob(FILE_GLOB))
+
+
+def _problem(line: bytes) -> tuple[dict | None, str | None]:
+    """(record, None) for a good line, else (None, why it is skipped)."""
+    if not line.endswith(b"\n"):
+        return None, "truncated last line (a write cut short by a crash)"
+    try:
+        record = json.loads(line)
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        return None, f"not valid JSON ({exc})"
+    if not isinstance(record, dict) or record.get("type") not in RECORD_TYPES:
+        return None, f"not a record: needs a JSON object with 'type' in {RECORD_TYPES}"
+    if not isinstance(record.get("id"), str):
+        return None, "not a record: 'id' must be a string"
+    return record, None
+
+
+def read_records(directory: str | os.PathLike, report: ReadReport | None = None) -> Iterator[dict]:
+    """Yields every record of every log file in DIR, in file order; blank lines are ignored, and
+    truncated or corrupt lines are skipped and listed in `report.skipped`."""
+    report = report if report is not None else ReadReport()
+    for path in log_files(directory):
+        report.files += 1
+        with open(path, "rb") as file:
+            for number, line in enumerate(file, start=1):
+                if not line.strip():
+                    continue
+                record, problem = _problem(line)
+                if problem is not None:
+                    report.skipped.append(f"{path}:{number}: {problem}")
+                    continue
+                report.records += 1
+                yield record
+
+
+# ---------------------------------------------------------------- the server's log
+class FeedbackLog:
+    """The server's feedback log over DIR: known response ids (loaded from earlier runs at start) and
+    the writer of this process's file. Raises FeedbackLogError when DIR cannot be used."""
+
+    def __init__(self, directory: str | os.PathLike, clock: Callable[[], float] = time.time):
+        self.directory, self._clock = Path(directory), clock
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FeedbackLogError(f"cannot create the feedback directory {self.directory}: "
+                                   f"{exc.strerror or exc}") from exc
+        self.report = ReadReport()
+        # response id -> its number of choices (what an index may rate)
+        self._choices = {record["id"]: len(record.get("choices") or [None])
+                         for record in read_records(self.directory, self.report)
+                         if record["type"] == "interaction"}
+        for line in self.report.skipped:
+            logger.warning("feedback log: skipped %s", line)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(clock()))
+        path = self.directory / f"feedback-{stamp}-{os.getpid()}.jsonl"
+        try:
+            self._appender = JsonlAppender(path)
+        except OSError as exc:
+            raise FeedbackLogError(f"cannot write to the feedback directory {self.directory}: "
+                                   f"{exc.strerror or exc}") from exc
+        self.path = path
+        # One thread: records are written in the order they are handed over, off the event loop.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="feedback-log")
+
+    def choices(self, response_id: str) -> int | None:
+        """How many choices the response `response_id` has; None when it is not in the log."""
+        return self._choices.get(response_id)
+
+    def record_interaction(self, record: dict) -> None:
+        """Queues an interaction record; its id can be rated from now on. Never raises (a failure to
+        write is logged: the answer it records has been sent or is on its way)."""
+        self._choices[record["id"]] = len(record["choices"])
+        try:
+            self._writer.submit(self._append_logged, record)
+        except RuntimeError:  # the log is closed (the server is shutting down)
+            logger.error("feedback log closed: interaction %s not recorded", record["id"])
+
+    def _append_logged(self, record: dict) -> None:
+        try:
+            self._appender.append(record)
+        except Exception:  # noqa: BLE001 - the server goes on; the record is lost, and said so
+            logger.exception("feedback log: could not write the record of %s to %s", record["id"], self.path)
+
+    async def record_feedback(self, body: FeedbackRequest) -> dict:
+        """Writes a feedback record and returns it once it is on disk; raises OSError if it cannot be."""
+        record = {"type": "feedback", "id": body.id, "index": body.index, "created": round(self._clock(), 3),
+                  "rating": body.rating, "correction": body.correction}
+        await asyncio.wrap_future(self._writer.submit(self._appender.append, record))
+        return record
+
+    def flush(self) -> None:
+        """Waits until every record handed over so far is written."""
+        self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self._appender.close()
+
+
+async def answer_feedback(log: FeedbackLog, body: FeedbackRequest) -> dict:
+    """POST /v1/feedback: records `body` and returns the answer; APIError for an unknown id (404), an
+    index past the response's choices (400) or a failed write (500)."""
+    count = log.choices(body.id)
+    if count is None:
+        raise APIError(404, f"id: no response {body.id!r} is in this server's feedback log (only answers "
+                            "given while feedback was collected can be rated)", "id", "response_not_found")
+    if body.index >= count:
+        raise APIError(400, f"index must be below {count} (the choices of response {body.id}), got "
+                            f"{body.index}", "index")
+    try:
+        await log.record_feedback(body)
+    except Exception as exc:
+        logger.exception("feedback log: could not record feedback on %s", body.id)
+        raise APIError(500, "The feedback could not be recorded (the server could not write its feedback "
+                            "log); try again later", kind="server_error") from exc
+    return {"id": body.id, "object": "feedback", "status": "recorded"}
+
+
+# ---------------------------------------------------------------- an answer's record
+def sampling_record(params: SamplingParams, n: int) -> dict:
+    return {"n": n, **{name: getattr(params, name) for name in SAMPLING_FIELDS}}
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+@dataclasses.dataclass
+class _ChoiceRecord:
+    content: list[str] = dataclasses.field(default_factory=list)
+    reasoning: list[str] = dataclasses.field(default_factory=list)
+    tool_calls: dict[int, dict] = dataclasses.field(default_factory=dict)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    finished: bool = False
+
+    def feed_delta(self, delta: dict) -> None:
+        """A streamed chat delta: text, reasoning, and tool calls (their arguments come in pieces)."""
+        self.content.append(delta.get("content") or "")
+        self.reasoning.append(delta.get("reasoning_content") or "")
+        for call in delta.get("tool_calls") or ():
+            entry = self.tool_calls.setdefault(call["index"], {"id": None, "type": "function",
+                                                               "function": {"name": None, "arguments": ""}})
+            entry["id"] = call.get("id") or entry["id"]
+            function = call.get("function") or {}
+            entry["function"]["name"] = function.get("name") or entry["function"]["name"]
+            entry["function"]["arguments"] += function.get("arguments") or ""
+
+
+class Transcript:
+    """One API request's answer as it is sent (streamed chunks or the whole response), recorded in the
+    log once every choice has finished. A choice that fails in the engine never finishes: failed
+    answers are not recorded."""
+
+    def __init__(self, log: FeedbackLog, endpoint: str, base: dict, request: dict, choices):
+        self._log, self._endpoint, self._base, self._request = log, endpoint, base, request
+        self._choices = choices  # choices.Choices: generations (hidden EOS events, counts) and usage()
+        self._records = [_ChoiceRecord() for _ in choices.generations]
+
+    def chunks(self, chunks: Callable[[int, Piece], Iterable[dict]]) -> Callable[[int, Piece], Iterator]:
+        """respond()'s `chunks`, also feeding the transcript."""
+
+        def recorded(index: int, piece: Piece) -> Iterator[dict]:
+            record = self._records[index]
+            for chunk in chunks(index, piece):
+                for choice in chunk["choices"]:
+                    if self._endpoint == "chat":
+                        record.feed_delta(choice.get("delta") or {})
+                    record.finish_reason = choice.get("finish_reason") or record.finish_reason
+                yield chunk
+            record.logprobs += [event.logprob for event in piece.events if event.logprob is not None]
+            if self._endpoint == "completions":
+                record.content.append(piece.text)  # the generated text alone (chunk text may echo the prompt)
+            if piece.finish_reason:
+                record.finished, record.finish_reason = True, record.finish_reason or piece.finish_reason
+                if all(r.finished for r in self._records):
+                    self._write(self._choices.usage())
+
+        return recorded
+
+    def response(self, response: Callable[[list], dict]) -> Callable[[list], dict]:
+        """respond()'s `response`, also recording the answer it returns."""
+
+        def recorded(results: list) -> dict:
+            answer = response(results)
+            for record, (text, events), choice in zip(self._records, results, answer["choices"], strict=True):
+                record.logprobs = [event.logprob for event in events if event.logprob is not None]
+                record.finish_reason = choice["finish_reason"]
+                if self._endpoint == "chat":
+                    message = choice["message"]
+                    record.feed_delta({"content": message.get("content"),
+                                       "reasoning_content": message.get("reasoning_content")})
+                    record.tool_calls = dict(enumerate(message.get("tool_calls") or ()))
+                else:
+                    record.content = [text]
+            self._write(answer["usage"])
+            return answer
+
+        return recorded
+
+    def _write(self, usage: dict) -> None:
+        try:
+            self._log.record_interaction(self._record(usage))
+        except Exception:  # noqa: BLE001 - recording must never break the answer
+            logger.exception("feedback log: could not build the record of %s", self._base["id"])
+
+    def _record(self, usage: dict) -> dict:
+        n, choices, generations = self._choices.n, [], self._choices.generations
+        for index, (record, generation) in enumerate(zip(self._records, generations, strict=True)):
+            hidden = generation.hidden_event  # the EOS / stop token: generated, but not shown
+            logprobs = record.logprobs + ([hidden.logprob] if hidden and hidden.logprob is not None else [])
+            choices.append({"index": index, "prompt_index": index // n, "content": "".join(record.content),
+                            "reasoning_content": "".join(record.reasoning) or None,
+                            "tool_calls": [record.tool_calls[k] for k in sorted(record.tool_calls)] or None,
+                            "finish_reason": record.finish_reason, "confidence": _mean(logprobs),
+                            "completion_tokens": generation.completion_tokens})
+        return {"type": "interaction", "id": self._base["id"], "created": self._base["created"],
+                "model": self._base["model"], "endpoint": self._endpoint, "request": self._request,
+                "choices": choices, "usage": usage}
+
+
+def recording(log: FeedbackLog | None, endpoint: str, base: dict, request: dict, params: SamplingParams,
+              choices, chunks, response):
+    """(chunks, response) for choices.respond() that also record the answer in `log` once it has
+    finished; unchanged when there is no log. request: the request's prompt part (messages and tools,
+    or prompts); its sampling parameters are added from `params`."""
+    if log is None:
+        return chunks, response
+    request = {**request, "sampling": sampling_record(params, choices.n)}
+    transcript = Transcript(log, endpoint, base, request, choices)
+    return transcript.chunks(chunks), transcript.response(response)
