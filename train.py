@@ -19,6 +19,8 @@ The config file's `get_config()` returns an ml_collections ConfigDict with these
                keep_checkpoints, max_bad_steps, seed
   objective    "lm" (next-token loss) or "dpo" (preference_jsonl pairs against the frozen init_from
                weights; dpo_beta)
+  dsa_stage    "off", "dense_warmup" (dense attention, only the indexer trains on its KL to the
+               attention) or "sparse" (top-k attention + the indexer KL); indexer_kl_weight
   fine-tuning  init_from (an HF checkpoint or train.py run directory: its architecture, weights
                and tokenizer; config.model may be omitted, fields it gives must agree; the
                directory must stay readable while the run resumes), trainable / frozen
@@ -294,7 +296,7 @@ def main(argv):
                              step_s=f"{seconds:.2f}")
         if step % settings.log_every == 0 or step == settings.num_train_steps:
             logged_keys = ("loss", "cross_entropy", "z_loss", "mtp_loss", "balance_loss",
-                           "reward_margin", "reward_accuracy", "grad_norm")
+                           "reward_margin", "reward_accuracy", "indexer_kl", "indexer_recall", "grad_norm")
             record = {key: metrics[key] for key in logged_keys if key in metrics}
             load = np.asarray(metrics.get("expert_load/moe_layers", np.zeros((1, 1))), np.float64)
             record.update(learning_rate=schedule(step - 1), tokens_per_second=tokens_per_step / seconds,

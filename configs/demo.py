@@ -92,6 +92,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint_every = 100
     config.keep_checkpoints = 3
     config.max_bad_steps = 5
+    # DSA training stages (docs/training.md): "off", "dense_warmup" or "sparse".
+    config.dsa_stage = "off"
+    config.indexer_kl_weight = 1.0
     # Fine-tuning (train.py's docs): --config.init_from=PATH starts from an HF checkpoint or run.
     config.init_from = ""
     config.trainable = ()

@@ -7,10 +7,13 @@ import fnmatch
 import jax
 import numpy as np
 import pytest
-from reference import random_params
+from reference import build_reference, random_params
 
-from glm5_jax.model import ConfigError
-from glm5_jax.train.init_from import merge_architecture
+from glm5_jax.model import ConfigError, apply_model
+from glm5_jax.model.options import ExecutionOptions
+from glm5_jax.runs import RunNotFoundError
+from glm5_jax.train.init_from import checkpoint_architecture, initial_weights, merge_architecture
+from glm5_jax.train.loss import language_model_losses
 from glm5_jax.train.optimizer import make_optimizer, param_path, trained_names
 from glm5_jax.train.settings import TrainSettings
 
@@ -60,3 +63,28 @@ def test_the_checkpoints_architecture_wins_and_conflicts_are_named(tiny_config):
     named = r"rope_theta \(config 500.0, checkpoint 10000.0\).*initializer_range"
     with pytest.raises(ConfigError, match=named):
         merge_architecture({"rope_theta": 500.0, "initializer_range": 0.5, "num_layers": 4}, tiny_config)
+
+
+def test_step_zero_loss_from_a_transformers_checkpoint_is_transformers_loss(tiny_config, tmp_path):
+    """init_from a checkpoint written by transformers: the training loss of the loaded weights on
+    a batch equals transformers' own loss on it (float32)."""
+    import torch
+
+    config = tiny_config.replace(num_mtp_layers=0)
+    reference = build_reference(config, seed=3)
+    reference.save_pretrained(tmp_path)
+    found = checkpoint_architecture(tmp_path)
+    params = initial_weights(tmp_path, found, ExecutionOptions())
+    ids = np.random.default_rng(2).integers(0, config.vocab_size, (2, 17))
+    outputs = apply_model(found, params, ids, collect_intermediates=True)
+    _, metrics = language_model_losses(outputs, ids, np.ones_like(ids), z_loss_weight=0.0,
+                                       mtp_loss_weight=0.0, balance_loss_weight=0.0)
+    with torch.no_grad():
+        theirs = reference(torch.as_tensor(ids), labels=torch.as_tensor(ids)).loss.item()
+    np.testing.assert_allclose(float(metrics["cross_entropy"]), theirs, atol=1e-4)
+
+
+def test_init_from_a_directory_that_is_no_checkpoint_says_so(tmp_path):
+    (tmp_path / "notes.txt").write_text("not weights")
+    with pytest.raises(RunNotFoundError, match="init_from: .* is neither a train.py run directory"):
+        checkpoint_architecture(tmp_path)

@@ -65,14 +65,21 @@ class ChatStatistics:
         return dataclasses.asdict(self)
 
 
-def parse_conversation(line: str, where: str) -> tuple[list[dict[str, Any]], list[dict] | None]:
-    """One JSONL line -> (messages, tools); raises DataSourceError naming `where` and the field."""
+def json_object(line: str, where: str, what: str) -> dict[str, Any]:
+    """One JSONL line as a dict; DataSourceError naming `where` when it is not a JSON object."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise DataSourceError(f"{where}: not valid JSON ({error.msg})") from error
     if not isinstance(record, dict):
-        raise DataSourceError(f"{where}: a conversation line must be a JSON object")
+        raise DataSourceError(f"{where}: a {what} line must be a JSON object")
+    return record
+
+
+def parse_conversation(line: str | dict, where: str) -> tuple[list[dict[str, Any]], list[dict] | None]:
+    """One JSONL line (or its parsed object) -> (messages, tools); raises DataSourceError naming
+    `where` and the field."""
+    record = line if isinstance(line, dict) else json_object(line, where, "conversation")
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
         raise DataSourceError(f"{where}: field 'messages' must be a non-empty list")

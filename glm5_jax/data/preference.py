@@ -14,7 +14,6 @@ log-probability). Pairs where either answer loses every target token to truncati
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ from tokenizers import Tokenizer
 from glm5_jax.data.chat import (
     ChatStatistics,
     Example,
+    json_object,
     parse_conversation,
     target_spans,
     tokenize_example,
@@ -43,12 +43,7 @@ def _answer(value: Any, where: str) -> dict[str, Any]:
 
 def parse_pair(line: str, where: str) -> tuple[list[dict], dict, dict, list[dict] | None]:
     """One JSONL line -> (prompt messages, chosen, rejected, tools); errors name the line and field."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise DataSourceError(f"{where}: not valid JSON ({error.msg})") from error
-    if not isinstance(record, dict):
-        raise DataSourceError(f"{where}: a preference line must be a JSON object")
+    record = json_object(line, where, "preference")
     if "messages" not in record:
         if not isinstance(record.get("prompt"), str):
             raise DataSourceError(f"{where}: needs 'messages' (a list) or 'prompt' (a string)")
@@ -58,10 +53,10 @@ def parse_pair(line: str, where: str) -> tuple[list[dict], dict, dict, list[dict
             raise DataSourceError(f"{where}: field {field!r} is missing")
     chosen, rejected = (_answer(record[field], f"{where}: field {field!r}")
                         for field in ("chosen", "rejected"))
-    # The prompt plus one answer must itself be a valid conversation.
-    messages, tools = parse_conversation(
-        json.dumps({**record, "messages": record["messages"] + [chosen]}), where)
-    parse_conversation(json.dumps({**record, "messages": record["messages"] + [rejected]}), where)
+    # The prompt plus either answer must itself be a valid conversation.
+    prompt = record["messages"] if isinstance(record["messages"], list) else None  # None: named below
+    messages, tools = parse_conversation({**record, "messages": prompt and prompt + [chosen]}, where)
+    parse_conversation({**record, "messages": prompt + [rejected]}, where)
     return messages[:-1], chosen, rejected, tools
 
 

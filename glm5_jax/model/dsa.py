@@ -150,13 +150,15 @@ class Indexer(nn.Module):
 
     @nn.compact
     def __call__(self, x, q_latent, cos, sin, allowed, run, previous_indices, positions=None,
-                 segment_ids=None):
+                 segment_ids=None, with_scores: bool = False):
         """Selects keys on layers that run the indexer; other layers reuse `previous_indices`.
 
         x: [B, T, D]; q_latent: [B, T, R]; cos, sin: [B, T, rope_dim/2]; allowed: bool [B, T, S]
         (impl "reference"; None with impl "pallas", which reads positions, segment_ids [B, T]);
         run: bool scalar (traced under scan) or a Python bool; previous_indices: [B, T, k].
-        Returns (topk indices [B, T, k] int32, boundary gap [B, T]); see `select_topk`.
+        Returns (topk indices [B, T, k] int32, boundary gap [B, T]); see `select_topk`. With
+        with_scores (impl "reference"), also the scores [B, T, S] (zeros where the layer reuses),
+        differentiable in the indexer's weights: DSA training's KL (dsa_training.py).
         """
         spec = self.spec
         init = normal_init(spec.initializer_range)
@@ -184,10 +186,12 @@ class Indexer(nn.Module):
                 jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), cos, sin, wq_b, wk,
                 k_norm_scale, k_norm_bias, weights_proj, rope_dim=spec.qk_rope_head_dim,
                 norm_eps=spec.index_norm_eps)
-            return select_topk(scores, allowed, spec.index_topk)
+            selected = select_topk(scores, allowed, spec.index_topk)
+            return (*selected, scores) if with_scores else selected
 
         def reuse_previous():
-            return previous_indices, jnp.full(x.shape[:2], jnp.inf, jnp.float32)
+            reused = previous_indices, jnp.full(x.shape[:2], jnp.inf, jnp.float32)
+            return (*reused, jnp.zeros(allowed.shape, jnp.float32)) if with_scores else reused
 
         if isinstance(run, bool):
             return run_indexer() if run else reuse_previous()

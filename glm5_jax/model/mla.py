@@ -24,6 +24,7 @@ from glm5_jax.model.dsa import (
     selection_mask,
     sliding_window_mask,
 )
+from glm5_jax.model.dsa_training import attention_target, indexer_kl
 from glm5_jax.model.layers import apply_rope, declare_weight, normal_init, rms_norm, rope_angles
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.local import run_local
@@ -46,6 +47,7 @@ class AttentionSpec:
     # "reference": dense [B, T, S] masks and `attend`; "pallas": gathered top-k attention on DSA
     # layers and flash attention on sliding-window layers (`pallas_attention`).
     attention_impl: str = "reference"
+    dsa_stage: str = "off"  # DSA training (dsa_training.py): "off", "dense_warmup" or "sparse"
 
     @property
     def qk_head_dim(self) -> int:
@@ -61,17 +63,27 @@ class LayerKinds:
     sliding: bool | jax.Array
 
 
+def attention_probs(query: jax.Array, key: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Masked softmax in float32. query: [B, T, N, H]; key: [B, S, N, H]; allowed: bool [B, T, S].
+    Returns [B, N, T, S] float32."""
+    scale = query.shape[-1] ** -0.5
+    logits = jnp.einsum("BTNH,BSNH->BNTS", query, key, preferred_element_type=jnp.float32)
+    logits = jnp.where(allowed[:, None], logits * scale, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(logits, axis=-1)
+
+
 def attend(query: jax.Array, key: jax.Array, value: jax.Array, allowed: jax.Array) -> jax.Array:
     """Masked softmax attention with float32 softmax.
 
     query: [B, T, N, H]; key: [B, S, N, H]; value: [B, S, N, Hv]; allowed: bool [B, T, S].
     Returns [B, T, N, Hv].
     """
-    scale = query.shape[-1] ** -0.5
-    logits = jnp.einsum("BTNH,BSNH->BNTS", query, key, preferred_element_type=jnp.float32)
-    logits = jnp.where(allowed[:, None], logits * scale, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-    return jnp.einsum("BNTS,BSNH->BTNH", probs, value)
+    return attend_with(attention_probs(query, key, allowed), value)
+
+
+def attend_with(probs: jax.Array, value: jax.Array) -> jax.Array:
+    """probs: [B, N, T, S]; value: [B, S, N, Hv] -> [B, T, N, Hv]."""
+    return jnp.einsum("BNTS,BSNH->BTNH", probs.astype(value.dtype), value)
 
 
 def query_path(x, q_a_proj, q_a_norm, q_b_proj, eps: float, nope_dim: int):
@@ -216,16 +228,31 @@ class MLAttention(nn.Module):
         key, value = expand_latent(latent, k_rope, kv_b_proj, spec.qk_nope_head_dim)
 
         # Which keys each query may see.
-        allowed = base_mask(positions, segment_ids)  # [B, T, S]
-        indices, gap = indexer(x, q_latent, cos, sin, allowed, kinds.run_indexer, previous_indices,
-                               positions, segment_ids)
-        dsa_allowed = allowed & selection_mask(indices, allowed.shape[-1])
+        causal = base_mask(positions, segment_ids)  # [B, T, S]
+        training_dsa = spec.dsa_stage != "off"
+        indices, gap, *scores = indexer(x, q_latent, cos, sin, causal, kinds.run_indexer, previous_indices,
+                                        positions, segment_ids, with_scores=training_dsa)
+        selected = selection_mask(indices, causal.shape[-1])
+        # The dense warm-up attends to every causal key; otherwise DSA layers attend to the top-k.
+        dsa_allowed = causal if spec.dsa_stage == "dense_warmup" else causal & selected
         if spec.sliding_window > 0 and kinds.sliding is not False:
-            window_allowed = allowed & sliding_window_mask(positions, spec.sliding_window)
+            window_allowed = causal & sliding_window_mask(positions, spec.sliding_window)
             allowed = jnp.where(kinds.sliding, window_allowed, dsa_allowed)
         else:
             allowed = dsa_allowed
 
-        out = attend(query, key, value, allowed)  # [B, T, N, Hv]
+        probs = attention_probs(query, key, allowed)  # [B, N, T, S]
+        if training_dsa:
+            self._sow_indexer_kl(probs, scores[0], dsa_allowed, causal & selected, kinds)
+        out = attend_with(probs, value)  # [B, T, N, Hv]
         out = jnp.einsum("BTNH,NHD->BTD", out, o_proj)
         return out, indices, gap
+
+    def _sow_indexer_kl(self, probs, scores, dsa_allowed, selected, kinds: LayerKinds):
+        """Sows the indexer KL and top-k recall sums of this layer (zero on layers that reuse
+        another layer's selection or slide a window); see dsa_training.py."""
+        kl_sum, recall_sum, queries = indexer_kl(attention_target(probs), scores, dsa_allowed, selected)
+        counts = jnp.asarray(kinds.run_indexer, jnp.float32) * (1.0 - jnp.asarray(kinds.sliding, jnp.float32))
+        self.sow("intermediates", "indexer_kl_sum", kl_sum * counts)
+        self.sow("intermediates", "indexer_recall_sum", recall_sum * counts)
+        self.sow("intermediates", "indexer_queries", queries * counts)

@@ -16,6 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from glm5_jax.model.config import ConfigError, ModelConfig, check_field
+from glm5_jax.model.dsa_training import DSA_STAGES
 
 REMAT_POLICIES = ("none", "full", "save_matmuls")
 MOE_IMPLS = ("ragged", "blocked", "dense", "pallas")
@@ -62,6 +63,10 @@ class ExecutionOptions:
     # Pipeline parallelism (used when the mesh has a pipeline axis > 1): microbatches per batch
     # in the GPipe schedule; 0 picks 4 x stages (or the largest of 2x, 1x dividing the batch).
     pipeline_microbatches: int = 0
+    # DSA training stage (glm5_jax/model/dsa_training.py; set from a training config's dsa_stage):
+    # "off", "dense_warmup" (dense attention; the indexer learns the attention distribution by
+    # KL) or "sparse" (top-k attention plus the indexer's KL on the selected keys).
+    dsa_stage: str = "off"
 
     def __post_init__(self):
         self.validate()
@@ -108,6 +113,11 @@ class ExecutionOptions:
                 f"must be one of {QUANTIZED_MATMUL_IMPLS}")
         require(self.expert_dispatch in EXPERT_DISPATCHES, "expert_dispatch",
                 f"must be one of {EXPERT_DISPATCHES}")
+        require(self.dsa_stage in DSA_STAGES, "dsa_stage", f"must be one of {DSA_STAGES}")
+        reference_kernels = (self.attention_impl, self.indexer_impl) == ("reference", "reference")
+        require(self.dsa_stage == "off" or reference_kernels,
+                "dsa_stage", "needs attention_impl and indexer_impl 'reference' (the indexer KL reads the "
+                "dense attention distribution and indexer scores)")
         value = self.pipeline_microbatches
         require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                 "pipeline_microbatches", "must be an integer >= 0 (0 = automatic)")

@@ -38,10 +38,12 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array):
 
 
 def language_model_losses(outputs, input_ids, segment_ids, *, z_loss_weight: float,
-                          mtp_loss_weight: float, balance_loss_weight: float, loss_mask=None):
+                          mtp_loss_weight: float, balance_loss_weight: float, loss_mask=None,
+                          indexer_kl_weight: float = 1.0):
     """The total loss and its parts from `apply_model(..., with_mtp, collect_intermediates)`.
 
-    loss_mask: [B, T] or None, as in shifted_targets.
+    loss_mask: [B, T] or None, as in shifted_targets. indexer_kl_weight: weight of the DSA indexer's
+    KL, present when the model ran with a dsa_stage (its gradient reaches the indexer only).
     Returns (loss scalar, metrics dict of scalars, with sums so microbatches add up).
     """
     targets, weights = shifted_targets(input_ids, segment_ids, 1, loss_mask)
@@ -59,8 +61,17 @@ def language_model_losses(outputs, input_ids, segment_ids, *, z_loss_weight: flo
         loss = loss + mtp_loss_weight * mtp_loss
         metrics["mtp_loss"] = mtp_loss
 
-    balance = [jnp.sum(value) for _, value in
-               sown_values(outputs.get("intermediates", {}), "balance_loss")]
+    intermediates = outputs.get("intermediates", {})
+    kl_sums = [jnp.sum(value) for _, value in sown_values(intermediates, "indexer_kl_sum")]
+    if kl_sums:  # DSA training (glm5_jax/model/dsa_training.py): the indexer's KL to the attention
+        queries = jnp.maximum(sum(jnp.sum(v) for _, v in sown_values(intermediates, "indexer_queries")), 1.0)
+        indexer_kl = sum(kl_sums) / queries
+        loss = loss + indexer_kl_weight * indexer_kl
+        metrics["indexer_kl"] = indexer_kl
+        recall_sums = [jnp.sum(v) for _, v in sown_values(intermediates, "indexer_recall_sum")]
+        metrics["indexer_recall"] = sum(recall_sums) / queries
+
+    balance = [jnp.sum(value) for _, value in sown_values(intermediates, "balance_loss")]
     if balance:
         balance_loss = sum(balance)
         loss = loss + balance_loss_weight * balance_loss

@@ -7,6 +7,9 @@ import functools
 from typing import Any
 
 from glm5_jax.model.config import check_field
+from glm5_jax.model.dsa_training import DSA_STAGES
+
+DENSE_WARMUP_TRAINABLE = ("*/indexer/*",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,11 @@ class TrainSettings:
     # preference_jsonl pairs against the frozen init_from weights (glm5_jax/train/dpo.py).
     objective: str = "lm"
     dpo_beta: float = 0.1
+    # DSA training stage (glm5_jax/model/dsa_training.py): "off", "dense_warmup" (dense attention,
+    # only the indexer trains, on its KL to the attention) or "sparse" (top-k attention, the whole
+    # model on the LM loss plus the indexer's KL).
+    dsa_stage: str = "off"
+    indexer_kl_weight: float = 1.0
 
     @classmethod
     def from_config(cls, config) -> TrainSettings:
@@ -52,6 +60,8 @@ class TrainSettings:
             if field.name in config:
                 value = config[field.name]
                 values[field.name] = tuple(value) if field.name in ("trainable", "frozen") else value
+        if values.get("dsa_stage") == "dense_warmup" and not values.get("trainable"):
+            values["trainable"] = DENSE_WARMUP_TRAINABLE  # the warm-up trains the indexer alone
         settings = cls(**values)
         settings.validate()
         return settings
@@ -76,6 +86,8 @@ class TrainSettings:
             require(all(isinstance(p, str) and p for p in getattr(self, field)), field,
                     "must be a list of parameter-path patterns (strings)")
         require(self.objective in ("lm", "dpo"), "objective", "must be 'lm' or 'dpo'")
+        require(self.dsa_stage in DSA_STAGES, "dsa_stage", f"must be one of {DSA_STAGES}")
+        require(self.indexer_kl_weight >= 0, "indexer_kl_weight", "must be >= 0")
         require(self.dpo_beta > 0, "dpo_beta", "must be > 0")
         require(self.objective != "dpo" or bool(self.init_from), "objective",
                 "'dpo' needs init_from: the starting weights are also the frozen reference")

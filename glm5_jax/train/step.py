@@ -78,6 +78,9 @@ def train_state_shardings(config: ModelConfig, optimizer: optax.GradientTransfor
 
 def make_loss_fn(config: ModelConfig, settings: TrainSettings, options: ExecutionOptions | None = None):
     """loss_fn(params, batch) -> (loss, (metrics, expert loads)) for one (micro)batch."""
+    options = options or ExecutionOptions()
+    if options.dsa_stage != settings.dsa_stage:  # the model runs the stage's attention and sows the KL
+        options = options.replace(dsa_stage=settings.dsa_stage)
 
     def loss_fn(params, micro: Batch):
         dpo = settings.objective == "dpo"
@@ -90,7 +93,8 @@ def make_loss_fn(config: ModelConfig, settings: TrainSettings, options: Executio
         loss, metrics = language_model_losses(
             outputs, micro["input_ids"], micro["segment_ids"],
             z_loss_weight=settings.z_loss_weight, mtp_loss_weight=settings.mtp_loss_weight,
-            balance_loss_weight=settings.balance_loss_weight, loss_mask=micro.get("loss_mask"))
+            balance_loss_weight=settings.balance_loss_weight, loss_mask=micro.get("loss_mask"),
+            indexer_kl_weight=settings.indexer_kl_weight)
         dropped = [value for _, value in sown_values(outputs["intermediates"], "dropped_tokens")]
         if dropped:
             metrics["dropped_tokens"] = sum(jnp.sum(d) for d in dropped).astype(jnp.float32)
@@ -137,7 +141,9 @@ def make_train_step(config: ModelConfig, settings: TrainSettings,
         grad_norm = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        params = update_router_bias(params, loads, settings.router_bias_update_rate)
+        # The dense warm-up changes the indexer only, so no router bias update either.
+        rate = 0.0 if settings.dsa_stage == "dense_warmup" else settings.router_bias_update_rate
+        params = update_router_bias(params, loads, rate)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
