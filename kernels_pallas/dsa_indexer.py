@@ -67,22 +67,40 @@ DEFAULT_BLOCK_SIZES = {
 # ----------------------------------------------------------------------------- reference
 
 
+def select_topk_reference(scores, allowed, topk: int):
+    """Top-k keys per query among the allowed ones, and the boundary gap.
+
+    scores: [B, T, S] float32; allowed: bool [B, T, S]; k = min(topk, S). Returns (indices
+    [B, T, k] int32 by decreasing score, ties to the lower index, masked keys filling rows with
+    fewer than k allowed keys; gap [B, T] float32 between the k-th and (k+1)-th allowed scores,
+    +inf where no (k+1)-th exists). The same rule as the model's glm5_jax.model.dsa.select_topk
+    (tests/test_kernels_dsa.py compares the two); kept here so kernels import nothing from glm5_jax.
+    """
+    num_keys = scores.shape[-1]
+    k = min(topk, num_keys)
+    masked = jnp.where(allowed, scores, -jnp.inf)
+    values, indices = jax.lax.top_k(masked, min(k + 1, num_keys))
+    if k < num_keys:
+        gap = jnp.where(jnp.isneginf(values[..., k]), jnp.inf, values[..., k - 1] - values[..., k])
+    else:
+        gap = jnp.full(scores.shape[:2], jnp.inf, jnp.float32)
+    return jax.lax.stop_gradient(indices[..., :k].astype(jnp.int32)), jax.lax.stop_gradient(gap)
+
+
 def indexer_topk_reference(queries, keys, weights, query_positions, key_positions, query_segment_ids,
                            key_segment_ids, *, topk: int):
-    """Plain jnp: dense [B, T, S] scores, mask, lax.top_k (glm5_jax.model.dsa.select_topk).
+    """Plain jnp: dense [B, T, S] scores, mask, lax.top_k (`select_topk_reference`).
 
     queries [B, T, M, H]; keys [B, S, H]; weights [B, T, M] (float32, include M^-0.5);
     positions / segment ids int [B, T] and [B, S]. Returns (indices [B, T, k] int32 by decreasing
     score, boundary gap [B, T] float32), k = min(topk, S).
     """
-    from glm5_jax.model.dsa import select_topk  # the model's own selection rule
-
     scores = jnp.einsum("BTMH,BSH->BTMS", queries.astype(jnp.float32), keys.astype(jnp.float32))
     scores = jax.nn.relu(scores * queries.shape[-1] ** -0.5)
     scores = jnp.einsum("BTM,BTMS->BTS", weights.astype(jnp.float32), scores)
     allowed = visible(query_positions[:, :, None], query_segment_ids[:, :, None],
                       key_positions[:, None, :], key_segment_ids[:, None, :], 0)
-    return select_topk(scores, allowed, topk)
+    return select_topk_reference(scores, allowed, topk)
 
 
 # ----------------------------------------------------------------------------- kernel

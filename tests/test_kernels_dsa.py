@@ -7,16 +7,20 @@ whose boundary gap exceeds 1e-5 are compared); its gap to 1e-6. Sparse attention
 outputs and gradients within 1e-5 of the largest magnitude.
 """
 
+import ast
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernels_pallas
+from glm5_jax.model.dsa import select_topk
 from kernels_pallas import dsa_indexer, sparse_attention
 from kernels_pallas.common import CUSTOM_CALL_MARKERS, lower_as_text
-from kernels_pallas.dsa_indexer import BlockSizes, indexer_topk, indexer_topk_reference
+from kernels_pallas.dsa_indexer import BlockSizes, indexer_topk, indexer_topk_reference, select_topk_reference
 from kernels_pallas.sparse_attention import sparse_attention_reference
 
 ATTENTION_TOL = 1e-5
@@ -45,6 +49,27 @@ def random_indexer_inputs(length, heads, dim, seed=0):
             jnp.asarray(rng.normal(size=(1, length, dim)), jnp.float32),
             jnp.asarray(rng.normal(size=(1, length, heads)) * heads**-0.5, jnp.float32),
             positions, positions, segments, segments)
+
+
+def test_kernel_reference_selection_is_the_models():
+    """kernels_pallas keeps its own jnp selection rule (it imports nothing from glm5_jax): it must
+    equal the model's select_topk, ties, masked fill and k >= S included."""
+    rng = np.random.default_rng(5)
+    scores = jnp.asarray(rng.integers(-2, 3, (2, 9, 9)), jnp.float32)  # many ties
+    allowed = jnp.asarray(np.tril(np.ones((9, 9), bool))[None].repeat(2, 0))
+    for topk in (1, 4, 9, 12):
+        kernel_rule = select_topk_reference(scores, allowed, topk)
+        for ours, model in zip(kernel_rule, select_topk(scores, allowed, topk), strict=True):
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(model))
+
+
+def test_kernels_import_nothing_from_glm5_jax():
+    """The lower floor stands alone: no kernels_pallas module imports glm5_jax."""
+    for path in sorted(Path(kernels_pallas.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(name.split(".")[0] == "glm5_jax" for name in names), f"{path.name} imports {names}"
 
 
 def test_indexer_topk_equals_reference_with_ties_packing_and_masked_fill():
