@@ -10,8 +10,7 @@ from glm_files import glm_tokenizer
 
 from glm5_jax.data import DataSourceError, Document, SourceSpec, make_train_iterator, make_validation_batches
 from glm5_jax.data.preference import preference_pairs
-from glm5_jax.data.templated import preference_pairs as templated_pairs
-from glm5_jax.data.templated import stdlib_conversations
+from glm5_jax.data.templated import stdlib_conversations, wrong_answer_pairs
 from glm5_jax.model import ConfigError
 from glm5_jax.serve.chat import ChatRenderer
 from glm5_jax.train.dpo import dpo_loss
@@ -49,7 +48,7 @@ def test_bad_pair_lines_name_the_line_and_field(tokenizer, line, message):
 
 def test_pair_batches_alternate_chosen_and_rejected(tokenizer, tmp_path):
     path = tmp_path / "pairs.jsonl"
-    pairs = templated_pairs(stdlib_conversations(["bisect", "colorsys", "fnmatch"]))
+    pairs = wrong_answer_pairs(stdlib_conversations(["bisect", "colorsys", "fnmatch"]))
     path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     spec = SourceSpec(kind="preference_jsonl", paths=(str(path),))
     batch = next(make_train_iterator([spec], tokenizer, seq_len=256, batch_size=4, seed=0,

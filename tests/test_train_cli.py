@@ -18,8 +18,7 @@ from glm_files import glm_data_dir
 import glm5_jax
 from glm5_jax.checkpoint.hf_io import read_config
 from glm5_jax.data import SourceSpec, load_tokenizer, make_validation_batches
-from glm5_jax.data.templated import preference_pairs as templated_pairs
-from glm5_jax.data.templated import stdlib_conversations
+from glm5_jax.data.templated import stdlib_conversations, wrong_answer_pairs
 from glm5_jax.model import ModelConfig
 from glm5_jax.runs import load_run
 from glm5_jax.serve.chat import ChatRenderer
@@ -223,7 +222,7 @@ def test_fine_tuning_on_chat_data_from_an_hf_checkpoint_resumes(uninterrupted, e
     # DPO from the same checkpoint on preference pairs: the reference is the starting weights, so
     # the held-out reward margin starts at exactly 0; steps log their margin and accuracy.
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps(p) + "\n" for p in templated_pairs(conversations)))
+    pairs.write_text("".join(json.dumps(p) + "\n" for p in wrong_answer_pairs(conversations)))
     result = run_train(tmp_path / "dpo", f"pairs:{pairs}", tune[0], tune[3], "--config.objective=dpo",
                        "--config.num_train_steps=2", "--config.eval_every=2")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -144,15 +144,18 @@ def _packed_examples(examples: grain.MapDataset, seq_len: int, bins: int) -> gra
 
 def _chat_examples(documents: Sequence[Document], spec: SourceSpec, tokenizer: Tokenizer, seq_len: int,
                    renderer, statistics, required: bool = True) -> list:
-    """The source's chat examples; with `required`, none is an error naming the source (training)."""
+    """The source's chat examples (chat_jsonl) or pairs (preference_jsonl), counted in `statistics`;
+    with `required`, none is an error naming the source (training)."""
     from glm5_jax.data.chat import ChatStatistics, chat_examples  # jinja2 only when chat data is used
+    from glm5_jax.data.preference import preference_pairs
     from glm5_jax.serve.chat import ChatRenderer
 
-    examples, counts = chat_examples(documents, renderer or ChatRenderer(None), tokenizer, seq_len)
+    build = preference_pairs if spec.kind == "preference_jsonl" else chat_examples
+    examples, counts = build(documents, renderer or ChatRenderer(None), tokenizer, seq_len)
     if statistics is not None:
         statistics.add(counts)
     if not examples and required:
-        raise ValueError(f"source {spec.name!r}: no conversation has an assistant turn to train on "
+        raise ValueError(f"source {spec.name!r}: nothing to train on fits seq_len={seq_len} "
                          f"({ChatStatistics.as_dict(counts)})")
     return examples
 
@@ -163,20 +166,6 @@ def _preference_sources(sources: Sequence[SourceSpec]) -> bool:
     if len(kinds) > 1:
         raise ValueError("preference_jsonl sources (DPO pairs) cannot be mixed with other source kinds")
     return kinds == {True}
-
-
-def _pairs(documents: Sequence[Document], spec: SourceSpec, tokenizer: Tokenizer, seq_len: int, renderer,
-           statistics, required: bool = True) -> list:
-    """The source's preference pairs; with `required`, none is an error naming the source (training)."""
-    from glm5_jax.data.preference import preference_pairs  # jinja2 only when chat data is used
-    from glm5_jax.serve.chat import ChatRenderer
-
-    pairs, counts = preference_pairs(documents, renderer or ChatRenderer(None), tokenizer, seq_len)
-    if statistics is not None:
-        statistics.add(counts)
-    if not pairs and required:
-        raise ValueError(f"source {spec.name!r}: no preference pair fits seq_len={seq_len}")
-    return pairs
 
 
 def _pair_batches(pairs: grain.IterDataset, batch_size: int) -> grain.IterDataset:
@@ -301,7 +290,7 @@ def make_train_iterator(
     )
     if _preference_sources(sources):
         pairs = [pair for spec, documents in zip(sources, shards, strict=True) for pair in
-                 _pairs(documents, spec, tokenizer, seq_len, chat_renderer, chat_statistics)]
+                 _chat_examples(documents, spec, tokenizer, seq_len, chat_renderer, chat_statistics)]
         pairs = grain.MapDataset.source(pairs).shuffle(_derived_seed(seed, "shuffle", "pairs")).repeat()
         return _BatchDataset(_pair_batches(pairs.to_iter_dataset(_READ_OPTIONS), batch_size)).__iter__()
     per_source = [
@@ -340,8 +329,8 @@ def make_validation_batches(
         return []
     if _preference_sources(sources):
         documents = validation_documents(sources, seed=seed, validation_fraction=validation_fraction)
-        pairs = (_pairs(documents, sources[0], tokenizer, seq_len, chat_renderer, chat_statistics,
-                        required=False) if documents else [])
+        pairs = (_chat_examples(documents, sources[0], tokenizer, seq_len, chat_renderer, chat_statistics,
+                                required=False) if documents else [])
         pairs = pairs[:max_batches * (batch_size // 2)]
         if not pairs:
             return []

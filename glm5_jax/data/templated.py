@@ -83,7 +83,7 @@ def stdlib_conversations(modules: Sequence[str] = DEFAULT_MODULES) -> list[dict]
     return found
 
 
-def preference_pairs(conversations: Sequence[dict], seed: int = 0) -> list[dict]:
+def wrong_answer_pairs(conversations: Sequence[dict], seed: int = 0) -> list[dict]:
     """Synthetic preference pairs (the preference_jsonl format): each conversation's answer is
     chosen, the answer of another conversation with the same question template rejected, the
     kind of mistake (a right-sounding answer about the wrong thing) DPO should learn to avoid."""
@@ -122,7 +122,7 @@ def ensure_chat_set(output: str | os.PathLike, pairs: bool = False) -> str:
     (used by configs/sft_demo.py and configs/dpo_demo.py)."""
     if not Path(output).expanduser().is_file():
         records = stdlib_conversations()
-        _write_lines(Path(output).expanduser(), preference_pairs(records) if pairs else records)
+        _write_lines(Path(output).expanduser(), wrong_answer_pairs(records) if pairs else records)
     return str(output)
 
 
@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print(f"wrote {write_chat_set(args.output, args.max_conversations)} conversations to {args.output}")
     if args.pairs:
-        count = _write_lines(args.pairs, preference_pairs(stdlib_conversations()[:args.max_conversations]))
+        count = _write_lines(args.pairs, wrong_answer_pairs(stdlib_conversations()[:args.max_conversations]))
         print(f"wrote {count} preference pairs to {args.pairs}")
 
 

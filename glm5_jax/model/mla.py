@@ -232,9 +232,9 @@ class MLAttention(nn.Module):
         training_dsa = spec.dsa_stage != "off"
         indices, gap, *scores = indexer(x, q_latent, cos, sin, causal, kinds.run_indexer, previous_indices,
                                         positions, segment_ids, with_scores=training_dsa)
-        selected = selection_mask(indices, causal.shape[-1])
+        top_k = causal & selection_mask(indices, causal.shape[-1])
         # The dense warm-up attends to every causal key; otherwise DSA layers attend to the top-k.
-        dsa_allowed = causal if spec.dsa_stage == "dense_warmup" else causal & selected
+        dsa_allowed = causal if spec.dsa_stage == "dense_warmup" else top_k
         if spec.sliding_window > 0 and kinds.sliding is not False:
             window_allowed = causal & sliding_window_mask(positions, spec.sliding_window)
             allowed = jnp.where(kinds.sliding, window_allowed, dsa_allowed)
@@ -243,7 +243,7 @@ class MLAttention(nn.Module):
 
         probs = attention_probs(query, key, allowed)  # [B, N, T, S]
         if training_dsa:
-            self._sow_indexer_kl(probs, scores[0], dsa_allowed, causal & selected, kinds)
+            self._sow_indexer_kl(probs, scores[0], dsa_allowed, top_k, kinds)
         out = attend_with(probs, value)  # [B, T, N, Hv]
         out = jnp.einsum("BTNH,NHD->BTD", out, o_proj)
         return out, indices, gap
