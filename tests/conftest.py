@@ -8,6 +8,8 @@ checks), so a program compiled once is loaded, not compiled, everywhere else.
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 if "GLM5_TEST_COMPILATION_CACHE" not in os.environ:  # the first process of this run
@@ -20,12 +22,26 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests run tiny programs once or a few times: LLVM's optimisation passes cost more than they
-# save. Without them XLA:CPU compiles about twice as fast (a tiny train step: 21 s -> 11 s, the
-# same loss; no fast-math either way); execution is ~3x slower, which these shapes never notice.
-# Inherited by every subprocess a test starts.
+# save, and so do XLA:CPU's newer fusion emitters (MLIR kernels per fusion). Without both, a tiny
+# train step compiles in ~6 s instead of ~21 s, with the same loss bits (no fast-math either way);
+# execution is slower, which these shapes never notice. Inherited by every subprocess a test
+# starts. A jaxlib that no longer knows the emitter flag gets the other two only (XLA aborts on
+# an unknown flag, so the first process checks once in a subprocess).
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_NO_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flags: str) -> bool:
+    probe = "import jax; jax.devices()"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0
+
+
 if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+    _flags = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+    if _xla_accepts(f"{_flags} {_NO_FUSION_EMITTERS}"):
+        _flags = f"{_flags} {_NO_FUSION_EMITTERS}"
+    os.environ["XLA_FLAGS"] = _flags
 
 import jax  # noqa: E402
 import jax.monitoring  # noqa: E402

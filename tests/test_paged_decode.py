@@ -67,10 +67,12 @@ def paged_logits(config, params, sequences, chunk, options=None):
                 block[ROWS + r] = tables[s]
                 owners += [(s, ROWS + r * chunk_len + i) for i in range(count)]
         batch = StepBatch(decode_tokens, decode_positions, chunk_tokens, chunk_positions, block)
-        logits, cache = paged_step(config, params, cache, batch, np.asarray([i for _, i in owners]),
+        # Every flat token's logits (one sample_rows shape, as the engine pads it: one program).
+        logits, cache = paged_step(config, params, cache, batch, np.arange(ROWS * (1 + chunk_len)),
                                    options=options, block_pages=BLOCK_PAGES)
-        for (s, _), row in zip(owners, np.asarray(logits), strict=True):
-            rows[s].append(row)
+        logits = np.asarray(logits)
+        for s, row in owners:
+            rows[s].append(logits[row])
     return {s: np.stack(r) for s, r in rows.items()}, cache
 
 

@@ -83,7 +83,10 @@ def test_remat_policies_do_not_change_gradients(small, plain_run, policy):
     config, batch = small
     remat = run_steps(config, PLAIN, batch, 2, options=DENSE.replace(remat=policy))
     np.testing.assert_allclose(plain_run[1][:2], remat[1], rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+    # Recomputed activations may fuse (and round) differently; as with accumulation, Adam's
+    # 1/sqrt(v) turns that into ~1e-6 on near-zero-gradient weights (a wrong gradient moves a
+    # weight by up to lr = 3e-3 per step).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5),
                  plain_run[0].params, remat[0].params)
 
 
