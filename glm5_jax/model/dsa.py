@@ -10,14 +10,13 @@ kernels_pallas/.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.model import kernel_calls
 from glm5_jax.model.layers import apply_rope, declare_weight, layer_norm, normal_init
-from glm5_jax.parallel.local import run_local
 
 NEG_INF = float("-inf")
 
@@ -128,18 +127,11 @@ def fused_indexer_topk(x, q_latent, cos, sin, wq_b, wk, k_norm_scale, k_norm_bia
     """`select_topk(indexer_scores(...), base_mask(...))` through the fused Pallas kernel (no [T, S]
     scores in memory). Shapes as `indexer_scores`; positions, segment_ids: [B, T].
     Returns (indices [B, T, k] in key order, boundary gap [B, T])."""
-    from kernels_pallas.dsa_indexer import indexer_topk  # kernels are optional for the reference path
-
     queries = indexer_queries(q_latent, cos, sin, wq_b, spec.qk_rope_head_dim)
     keys = indexer_keys(x, cos, sin, wk, k_norm_scale, k_norm_bias, spec.qk_rope_head_dim,
                         spec.index_norm_eps)
-    kernel = functools.partial(indexer_topk, topk=spec.index_topk)
-    rows = ("batch", None)
-    # Per device on its own sequences (the kernel sums over indexer heads, so they stay whole).
-    return run_local(kernel, (queries, keys, index_head_weights(x, weights_proj), positions, positions,
-                              segment_ids, segment_ids),
-                     (("batch", None, None, None), ("batch", None, None), ("batch", None, None),
-                      rows, rows, rows, rows), (("batch", None, None), rows))
+    return kernel_calls.indexer_topk(queries, keys, index_head_weights(x, weights_proj), positions,
+                                     segment_ids, spec.index_topk)
 
 
 class Indexer(nn.Module):

@@ -11,12 +11,12 @@ attention in the absorbed form on DSA layers, flash attention on sliding-window 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.model import kernel_calls
 from glm5_jax.model.dsa import (
     Indexer,
     IndexerSpec,
@@ -27,7 +27,6 @@ from glm5_jax.model.dsa import (
 from glm5_jax.model.dsa_training import attention_target, indexer_kl
 from glm5_jax.model.layers import apply_rope, declare_weight, normal_init, rms_norm, rope_angles
 from glm5_jax.parallel import constrain
-from glm5_jax.parallel.local import run_local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,16 +136,10 @@ def sparse_latent_attention(q_nope, q_rope, latent, k_rope, kv_b_proj, indices, 
     positions, segment_ids: [B, T]. Returns [B, T, N, Hv], equal to `attend` with the
     causal & same-document & selected mask.
     """
-    from kernels_pallas.sparse_attention import sparse_attention  # kernels stay optional
-
     nope_dim = q_nope.shape[-1]
     q_absorbed = jnp.einsum("BTNH,RNH->BTNR", q_nope, kv_b_proj[..., :nope_dim])  # [B, T, N, Rkv]
-    kernel = functools.partial(sparse_attention, scale=(nope_dim + q_rope.shape[-1]) ** -0.5)
-    heads, keys, rows = ("batch", None, "heads", None), ("batch", None, None), ("batch", None)
-    # Each device runs the kernel on its own sequences and heads (a pallas_call has no SPMD rule).
-    context = run_local(kernel, (q_absorbed, q_rope, latent, k_rope, indices, positions, positions,
-                                 segment_ids, segment_ids),
-                        (heads, heads, keys, keys, keys, rows, rows, rows, rows), heads)
+    context = kernel_calls.sparse_attention(q_absorbed, q_rope, latent, k_rope, indices, positions,
+                                            segment_ids, scale=(nope_dim + q_rope.shape[-1]) ** -0.5)
     return jnp.einsum("BTNR,RNH->BTNH", context, kv_b_proj[..., nope_dim:])
 
 
@@ -155,8 +148,6 @@ def pallas_attention(spec: AttentionSpec, q_nope, q_rope, latent, k_rope, kv_b_p
     """attention_impl="pallas": sparse attention on DSA layers, flash attention on sliding-window
     layers (`sliding`: Python bool, or a traced bool under a scanned stack of mixed layers).
     Shapes as `sparse_latent_attention`. Returns [B, T, N, Hv]."""
-    from kernels_pallas.flash_attention import flash_attention
-
     def dsa():
         return sparse_latent_attention(q_nope, q_rope, latent, k_rope, kv_b_proj, indices, positions,
                                        segment_ids)
@@ -164,10 +155,7 @@ def pallas_attention(spec: AttentionSpec, q_nope, q_rope, latent, k_rope, kv_b_p
     def window():
         key, value = expand_latent(latent, k_rope, kv_b_proj, q_nope.shape[-1])
         query = jnp.concatenate([q_nope, q_rope], axis=-1)
-        kernel = functools.partial(flash_attention, sliding_window=spec.sliding_window)
-        heads, rows = ("batch", None, "heads", None), ("batch", None)
-        out = run_local(kernel, (query, key, value, positions, positions, segment_ids, segment_ids),
-                        (heads, heads, heads, rows, rows, rows, rows), heads)
+        out = kernel_calls.flash_attention(query, key, value, positions, segment_ids, spec.sliding_window)
         return out.astype(value.dtype)
 
     if spec.sliding_window == 0 or sliding is False:

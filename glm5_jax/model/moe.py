@@ -16,10 +16,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.model import kernel_calls
 from glm5_jax.model.layers import MLP, declare_weight, normal_init
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.expert import expert_mesh, routed_experts_sharded
-from glm5_jax.parallel.local import run_local
 from glm5_jax.quant.formats import is_quantized
 from glm5_jax.quant.matmul import expert_linear
 
@@ -160,14 +160,6 @@ def routed_experts_ragged(x: jax.Array, weights: jax.Array, experts: jax.Array, 
     return jnp.zeros((num_tokens, x.shape[-1]), dtype).at[token_of_row].add(out)
 
 
-def routed_experts_pallas(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
-                          up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
-    """The ragged path with the Pallas grouped-matmul kernel (kernels_pallas.moe_grouped_matmul)."""
-    from kernels_pallas.moe_grouped_matmul import routed_experts_pallas as kernel
-
-    return kernel(x, weights, experts, gate_proj, up_proj, down_proj)
-
-
 def routed_experts_gathered(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
                             up_proj: jax.Array, down_proj: jax.Array, impl: str = "dequantize") -> jax.Array:
     """Each token through its own K experts, their weights gathered per token.
@@ -187,7 +179,7 @@ def routed_experts_gathered(x: jax.Array, weights: jax.Array, experts: jax.Array
 
 # ExecutionOptions.moe_impl -> the routed-expert computation (all give the same result).
 ROUTED_EXPERTS = {"dense": routed_experts_dense, "blocked": routed_experts_blocked,
-                  "ragged": routed_experts_ragged, "pallas": routed_experts_pallas}
+                  "ragged": routed_experts_ragged, "pallas": kernel_calls.routed_experts}
 
 
 def routed_experts(tokens: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
@@ -212,9 +204,8 @@ def routed_experts(tokens: jax.Array, weights: jax.Array, experts: jax.Array, ga
         return routed_experts_gathered(tokens, weights, experts, gate_proj, up_proj, down_proj,
                                        spec.quantized_matmul), None
     if spec.impl == "pallas":  # per device on its own tokens, whole experts
-        rows, whole = ("batch", None), (None, None, None)
-        return run_local(routed_experts_pallas, (tokens, weights, experts, gate_proj, up_proj, down_proj),
-                         (rows, rows, rows, whole, whole, whole), rows), None
+        return kernel_calls.routed_experts_local(tokens, weights, experts, gate_proj, up_proj,
+                                                 down_proj), None
     return ROUTED_EXPERTS[spec.impl](tokens, weights, experts, gate_proj, up_proj, down_proj), None
 
 

@@ -1,0 +1,69 @@
+"""The model's calls into kernels_pallas, in one place: each kernel imported on use (the kernels
+stay optional for the reference path) and run per device on its own shard under a mesh
+(`run_local` with the operands' logical axes; a pallas_call has no SPMD partitioning rule).
+
+Single-letter axes as in the model: B batch, T queries, S keys, N heads, H head dim, R latent
+rank, K selected keys / experts per token, D hidden.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from glm5_jax.parallel.local import run_local
+
+_ROWS = ("batch", None)  # [B, T] positions and segment ids
+_HEADS = ("batch", None, "heads", None)  # [B, T, N, H]
+_KEYS = ("batch", None, None)  # [B, S, R]: shared by all heads
+
+
+def indexer_topk(queries, keys, head_weights, positions, segment_ids, topk: int):
+    """kernels_pallas.dsa_indexer.indexer_topk per device on its own sequences (the kernel sums
+    over indexer heads, so they stay whole). queries: [B, T, n, h]; keys: [B, S, h]; head_weights:
+    [B, T, n]; positions, segment_ids: [B, T]. Returns (indices [B, T, k] in key order, gap [B, T])."""
+    from kernels_pallas.dsa_indexer import indexer_topk as kernel
+
+    return run_local(functools.partial(kernel, topk=topk),
+                     (queries, keys, head_weights, positions, positions, segment_ids, segment_ids),
+                     (("batch", None, None, None), _KEYS, _KEYS, _ROWS, _ROWS, _ROWS, _ROWS),
+                     (_KEYS, _ROWS))
+
+
+def sparse_attention(q_absorbed, q_rope, latent, k_rope, indices, positions, segment_ids, scale: float):
+    """kernels_pallas.sparse_attention per device on its own sequences and heads. q_absorbed:
+    [B, T, N, R]; q_rope: [B, T, N, rope]; latent: [B, S, R]; k_rope: [B, S, rope]; indices:
+    [B, T, K]; positions, segment_ids: [B, T]. Returns the latent context [B, T, N, R]."""
+    from kernels_pallas.sparse_attention import sparse_attention as kernel
+
+    return run_local(functools.partial(kernel, scale=scale),
+                     (q_absorbed, q_rope, latent, k_rope, indices, positions, positions, segment_ids,
+                      segment_ids),
+                     (_HEADS, _HEADS, _KEYS, _KEYS, _KEYS, _ROWS, _ROWS, _ROWS, _ROWS), _HEADS)
+
+
+def flash_attention(query, key, value, positions, segment_ids, sliding_window: int):
+    """kernels_pallas.flash_attention per device on its own sequences and heads. query, key:
+    [B, T, N, H]; value: [B, T, N, Hv]; positions, segment_ids: [B, T]. Returns [B, T, N, Hv]."""
+    from kernels_pallas.flash_attention import flash_attention as kernel
+
+    return run_local(functools.partial(kernel, sliding_window=sliding_window),
+                     (query, key, value, positions, positions, segment_ids, segment_ids),
+                     (_HEADS, _HEADS, _HEADS, _ROWS, _ROWS, _ROWS, _ROWS), _HEADS)
+
+
+def routed_experts(tokens: jax.Array, weights, experts, gate_proj, up_proj, down_proj) -> jax.Array:
+    """kernels_pallas.moe_grouped_matmul on the calling device's tokens and whole experts.
+    tokens: [T, D]; weights, experts: [T, K]; *_proj: [E, ., .]. Returns [T, D]. (Inside the
+    expert-parallel dispatcher, which already runs per device.)"""
+    from kernels_pallas.moe_grouped_matmul import routed_experts_pallas as kernel
+
+    return kernel(tokens, weights, experts, gate_proj, up_proj, down_proj)
+
+
+def routed_experts_local(tokens: jax.Array, weights, experts, gate_proj, up_proj, down_proj) -> jax.Array:
+    """`routed_experts` per device on its own tokens (rows split over the batch axes), experts whole."""
+    whole = (None, None, None)
+    return run_local(routed_experts, (tokens, weights, experts, gate_proj, up_proj, down_proj),
+                     (_ROWS, _ROWS, _ROWS, whole, whole, whole), _ROWS)
