@@ -8,38 +8,28 @@ Public API:
                         shard_index=0, shard_count=1) -> grain DatasetIterator of int32 [batch, seq_len]
     make_validation_batches(sources, tokenizer, *, seq_len, batch_size, seed, validation_fraction,
                             max_batches) -> list of batches
+
+Names are imported on first use: reading sources needs neither grain nor JAX.
 """
 
-from glm5_jax.data.pipeline import (
-    make_train_iterator,
-    make_validation_batches,
-    training_documents,
-    validation_documents,
-)
-from glm5_jax.data.sources import (
-    DataPathNotFoundError,
-    DataSourceError,
-    Document,
-    SourceSpec,
-    load_documents,
-    source_spec_from_dict,
-    split_documents,
-)
-from glm5_jax.data.tokenizer import (
-    END_OF_TEXT,
-    VocabularyTooLargeError,
-    check_vocab_fits,
-    end_of_text_id,
-    load_or_train_tokenizer,
-    load_tokenizer,
-    token_byte_lengths,
-    train_bpe_tokenizer,
-)
+import importlib
 
-__all__ = [
-    "END_OF_TEXT", "DataPathNotFoundError", "DataSourceError", "Document", "SourceSpec",
-    "VocabularyTooLargeError", "check_vocab_fits", "end_of_text_id", "load_documents",
-    "load_or_train_tokenizer", "load_tokenizer", "make_train_iterator", "make_validation_batches",
-    "source_spec_from_dict", "split_documents", "token_byte_lengths", "train_bpe_tokenizer",
-    "training_documents", "validation_documents",
-]
+_MODULES = {
+    "glm5_jax.data.pipeline": ("make_train_iterator", "make_validation_batches", "training_documents",
+                               "validation_documents"),
+    "glm5_jax.data.sources": ("DataPathNotFoundError", "DataSourceError", "Document", "SourceSpec",
+                              "load_documents", "source_spec_from_dict", "split_documents"),
+    "glm5_jax.data.tokenizer": ("END_OF_TEXT", "VocabularyTooLargeError", "check_vocab_fits",
+                                "end_of_text_id", "load_or_train_tokenizer", "load_tokenizer",
+                                "token_byte_lengths", "train_bpe_tokenizer"),
+}
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'glm5_jax.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
