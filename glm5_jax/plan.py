@@ -10,11 +10,17 @@ fake CPU devices on abstract inputs (nothing is allocated) and report per-device
 Params, optimizer state (or the decode cache) are counted from their shardings; activations and
 other temporaries come from the compiled executable's memory analysis (XLA:CPU's buffer
 assignment for the per-device program: a close proxy for GPU/TPU, which fuse differently).
+
+Communication: the bytes each device sends per step, per collective kind, read from the program
+right after SPMD partitioning (glm5_jax.parallel.collectives: ring formulas, loop trip counts),
+and the communication fraction of the step under a link model (--links) with compute time from
+6 x active params x tokens (2 x for --serve) at --compute-efficiency of the peak FLOP/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -43,6 +49,14 @@ def parse_args(argv):
     parser.add_argument("--top", type=int, default=8, help="how many of the largest tensors to list")
     parser.add_argument("--buffers", type=int, default=0,
                         help="also list the N largest values in the compiled per-device program")
+    parser.add_argument("--links", default="h200,v5p",
+                        help="systems for the communication estimate (collectives.SYSTEMS): h200 "
+                             "(NVLink 4 in a node of 8, InfiniBand 400 Gb/s across), v5p (ICI)")
+    parser.add_argument("--compute-efficiency", type=float, default=1.0,
+                        help="fraction of peak FLOP/s the compute reaches (1.0 = peak: the largest "
+                             "communication share)")
+    parser.add_argument("--save-hlo", default="", metavar="PATH",
+                        help="write the partitioned per-device HLO (what the communication is read from)")
     return parser.parse_args(argv)
 
 
@@ -91,10 +105,13 @@ def main(argv=None) -> int:
     devices = args.devices or math.prod(max(size, 1) for size in spec.sizes_given())
     # Must happen before JAX creates its CPU backend. XLA:CPU computes bf16 dots in float32 and
     # loop-invariant code motion would then hoist float32 copies of every layer's weights out of
-    # the layer loop, a CPU-only artifact that would dominate the temporaries; keep it off.
+    # the layer loop, a CPU-only artifact that would dominate the temporaries; keep it off. Its
+    # all-reduce-promotion (bf16 all-reduces computed in f32) aborts on the reducer JAX emits for
+    # a bf16 psum inside shard_map (the Pallas kernels' backward under a mesh); keep that off too.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={devices}"
-                               + " --xla_disable_hlo_passes=while-loop-invariant-code-motion")
+                               + " --xla_disable_hlo_passes=while-loop-invariant-code-motion"
+                               + ",all-reduce-promotion")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     import jax
@@ -102,16 +119,23 @@ def main(argv=None) -> int:
     from glm5_jax.config_files import load_execution_options, load_model_config, split_overrides
     from glm5_jax.model.config import ConfigError
     from glm5_jax.model.count import count_params
-    from glm5_jax.parallel import sharding
+    from glm5_jax.parallel import collectives, sharding
     from glm5_jax.parallel.mesh import make_mesh
+    from glm5_jax.train.settings import TrainSettings
 
     try:
-        overrides = dict(item.split("=", 1) for item in args.set)
+        overrides = {k: _parse_value(v) for k, v in (item.split("=", 1) for item in args.set)}
+        train_fields = {f.name for f in dataclasses.fields(TrainSettings)}
+        settings_overrides = {k: v for k, v in overrides.items() if k in train_fields}
         model_overrides, execution_overrides = split_overrides(
-            {k: _parse_value(v) for k, v in overrides.items()})
+            {k: v for k, v in overrides.items() if k not in train_fields or k == "dsa_stage"})
         config = load_model_config(args.config, **model_overrides)
         options = load_execution_options(args.config, **execution_overrides)
         mesh = make_mesh(spec, config, jax.devices()[:devices])
+        systems = [name for name in args.links.split(",") if name]
+        unknown = [name for name in systems if name not in collectives.SYSTEMS]
+        if unknown:
+            raise ValueError(f"unknown --links {unknown[0]!r}; known: {', '.join(collectives.SYSTEMS)}")
     except (ConfigError, MeshError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -123,19 +147,80 @@ def main(argv=None) -> int:
     axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
     print(f"mesh: {axes} ({devices} devices)")
     started = time.perf_counter()
-    if args.serve:
-        report = _plan_serve(args, config, options, mesh, rules)
-    else:
-        report = _plan_train(args, config, options, mesh, rules)
+    try:
+        if args.serve:
+            report, compiled, hlo, tokens = _plan_serve(args, config, options, mesh, rules)
+        else:
+            report, compiled, hlo, tokens = _plan_train(args, config, options, mesh, rules,
+                                                        settings_overrides)
+    except (ConfigError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(f"compiled in {time.perf_counter() - started:.0f} s")
-    report, compiled = report
     for line in report:
         print(line)
     if args.buffers:
         print("\nlargest values in the compiled per-device program (not all live at once):")
         for line in largest_buffers(compiled.as_text(), args.buffers):
             print(line)
+    if args.save_hlo:
+        with open(args.save_hlo, "w") as file:
+            file.write(hlo)
+    passes = 2 if args.serve else 6  # forward only, or forward + backward
+    flops = passes * counts["active"] * tokens / mesh.size
+    note = (f" ({passes} x {counts['active'] / 1e9:.1f}B active params x {tokens:,} tokens / {mesh.size} "
+            f"devices; the partitioned program's matmuls: {collectives.dot_flops(hlo) / 1e12:,.3g} TFLOP)")
+    for line in communication_lines(collectives.parse_collectives(hlo), flops, systems,
+                                    args.compute_efficiency, note):
+        print(line)
     return 0
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def communication_lines(found, flops_per_device: float, systems, efficiency: float = 1.0,
+                        flops_note: str = "") -> list[str]:
+    """Bytes sent per device per step by collective kind, and the communication share of the step
+    on each system (glm5_jax.parallel.collectives)."""
+    from glm5_jax.parallel import collectives
+
+    kept = collectives.counted(found)
+    lines = ["", "communication per device per step (partitioned HLO, ring formulas, loops counted):",
+             f"  {'kind':<20}{'ops':>6}{'executions':>12}{'sent':>12}  dtypes (share of bytes)"]
+    for kind in collectives.KINDS:
+        mine = [c for c in kept if c.kind == kind]
+        if not mine:
+            continue
+        dtypes: dict[str, float] = {}
+        for c in mine:
+            dtypes[c.dtype] = dtypes.get(c.dtype, 0.0) + c.total_bytes
+        total = sum(dtypes.values()) or 1.0
+        shown = ", ".join(f"{d} {v / total:.0%}" for d, v in sorted(dtypes.items(), key=lambda kv: -kv[1]))
+        lines.append(f"  {kind:<20}{len(mine):>6}{sum(c.count for c in mine):>12}"
+                     f"{_size(sum(c.total_bytes for c in mine)):>12}  {shown}")
+    lines.append(f"  {'total':<38}{_size(sum(c.total_bytes for c in kept)):>12}")
+    skipped = [c for c in found if c.in_interpreted_kernel]
+    if skipped:
+        lines.append(f"  (left out: {_size(sum(c.total_bytes for c in skipped))} in {len(skipped)} "
+                     "collectives inside Pallas kernels, which XLA:CPU runs as partitioned HLO loops in "
+                     "interpret mode)")
+    lines.append(f"compute: {flops_per_device / 1e12:,.3g} TFLOP per device{flops_note}")
+    for key in systems:
+        system = collectives.SYSTEMS[key]
+        result = collectives.estimate(kept, flops_per_device, system, efficiency)
+        links = "; ".join(f"{_size(v)} over {name}" for name, v in result.bytes_by_link.items())
+        lines.append(f"{key} ({system.name}; compute at {efficiency:.0%} of peak): "
+                     f"{links or 'no communication'}")
+        lines.append(f"  comm {result.comm_seconds * 1e3:,.4g} ms, "
+                     f"compute {result.compute_seconds * 1e3:,.4g} ms: communication "
+                     f"{result.fraction_no_overlap:.1%} of the step without overlap, "
+                     f"{result.fraction_perfect_overlap:.1%} exposed with perfect overlap")
+    return lines
 
 
 _ITEMSIZE = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
@@ -177,18 +262,20 @@ def _memory_lines(compiled, parts: dict[str, float]) -> list[str]:
     return lines
 
 
-def _plan_train(args, config, options, mesh, rules) -> list[str]:
+def _plan_train(args, config, options, mesh, rules, settings_overrides):
+    """Returns (report lines, compiled step, partitioned HLO text, tokens per step)."""
     import jax
     import jax.numpy as jnp
 
     from glm5_jax.model.transformer import param_shapes
-    from glm5_jax.parallel import sharding
+    from glm5_jax.parallel import collectives, sharding
     from glm5_jax.train.optimizer import make_optimizer
     from glm5_jax.train.settings import TrainSettings
     from glm5_jax.train.step import init_train_state, make_train_step, train_state_shardings
 
     batch_rows = args.batch or mesh.size
-    settings = TrainSettings(batch_size=batch_rows)
+    settings = TrainSettings(**{"batch_size": batch_rows, **settings_overrides})
+    settings.validate()
     optimizer = make_optimizer(settings)
     state_sharding = train_state_shardings(config, optimizer, mesh, rules, options=options)
     shapes = param_shapes(config, options=options)
@@ -201,21 +288,23 @@ def _plan_train(args, config, options, mesh, rules) -> list[str]:
     batch = {"input_ids": field, "positions": field, "segment_ids": field}
     step = make_train_step(config, settings, optimizer, mesh, rules, options=options)
     with sharding.activate(mesh, rules):
-        compiled = step.jitted.trace(state_in, batch).lower().compile()
+        compiled, hlo = collectives.compile_partitioned(step.jitted.trace(state_in, batch).lower())
     params_bytes = sharding.bytes_per_device(abstract_state.params, state_sharding.params)
     opt_bytes = sharding.bytes_per_device(abstract_state.opt_state, state_sharding.opt_state)
     lines = [f"train step: batch {batch_rows} x {args.seq_len} tokens "
-             f"({batch_rows * args.seq_len / mesh.size:,.0f} tokens per device on average)"]
+             f"({batch_rows * args.seq_len / mesh.size:,.0f} tokens per device on average), "
+             f"{settings.grad_accum_steps} microbatch(es), gradients reduced by "
+             f"{settings.grad_reduce_dtype or 'XLA where computed'}"]
     grad_bytes = params_bytes / options.weight_dtype(0).itemsize * 4  # accumulated in float32
     lines += _memory_lines(compiled, {"params": params_bytes, "optimizer state": opt_bytes,
                                       "gradients (f32, same sharding)": grad_bytes})
     lines += ["", f"largest parameters per device (of {len(jax.tree.leaves(abstract_state.params))}):"]
     for size, name, shape, dtype, spec in _largest(abstract_state.params, state_sharding.params, args.top):
         lines.append(f"  {_fmt(size)}  {name} {tuple(shape)} {dtype.name} -> {spec}")
-    return lines, compiled
+    return lines, compiled, hlo, batch_rows * args.seq_len
 
 
-def _plan_serve(args, config, options, mesh, rules) -> list[str]:
+def _plan_serve(args, config, options, mesh, rules):
     """The step serve.py runs at steady state on this mesh (glm5_jax.serve.runner): one paged
     decode step of `batch` sequences whose block tables cover `context` positions, on a page
     pool holding all of them; weights placed by SERVING_RULES (optionally quantized), the pool
@@ -232,7 +321,7 @@ def _plan_serve(args, config, options, mesh, rules) -> list[str]:
         paged_step,
     )
     from glm5_jax.model.transformer import param_shapes
-    from glm5_jax.parallel import sharding
+    from glm5_jax.parallel import collectives, sharding
     from glm5_jax.quant import load_recipe, quantize_params
 
     rules = sharding.SERVING_RULES
@@ -259,8 +348,8 @@ def _plan_serve(args, config, options, mesh, rules) -> list[str]:
     with sharding.activate(mesh, rules):
         step = getattr(paged_step, "__wrapped__", paged_step)
         jitted = jax.jit(step, static_argnums=0, static_argnames=("options", "block_pages"), donate_argnums=2)
-        compiled = jitted.trace(config, params_in, cache_in, batch, vector, options=options,
-                                block_pages=block_pages).lower().compile()
+        compiled, hlo = collectives.compile_partitioned(jitted.trace(
+            config, params_in, cache_in, batch, vector, options=options, block_pages=block_pages).lower())
     params_bytes = sharding.bytes_per_device(params, params_sharding)
     cache_bytes = sharding.bytes_per_device(cache, cache_shardings)
     per_token = paged_cache_bytes_per_page(config, page_size, options.compute_dtype) / page_size
@@ -271,7 +360,8 @@ def _plan_serve(args, config, options, mesh, rules) -> list[str]:
     lines += ["", "largest parameters per device:"]
     for size, name, shape, dtype, spec in _largest(params, params_sharding, args.top):
         lines.append(f"  {_fmt(size)}  {name} {tuple(shape)} {dtype.name} -> {spec}")
-    return lines, compiled
+    return lines, compiled, hlo, batch_rows
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,6 +10,7 @@ from glm5_jax.model.config import check_field
 from glm5_jax.model.dsa_training import DSA_STAGES
 
 DENSE_WARMUP_TRAINABLE = ("*/indexer/*",)
+GRAD_REDUCE_DTYPES = ("", "float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,11 @@ class TrainSettings:
     # model on the LM loss plus the indexer's KL).
     dsa_stage: str = "off"
     indexer_kl_weight: float = 1.0
+    # Cross-device gradient reduction (glm5_jax/train/step.py). "": XLA sums each weight's gradient
+    # where it is computed (every microbatch, in the compute dtype). "float32" / "bfloat16": each
+    # replica of the mesh's `data` axis accumulates its own gradient over the microbatches, and the
+    # replicas are summed once per step in this dtype ("bfloat16" halves those bytes).
+    grad_reduce_dtype: str = ""
 
     @classmethod
     def from_config(cls, config) -> TrainSettings:
@@ -89,6 +95,8 @@ class TrainSettings:
         require(self.dsa_stage in DSA_STAGES, "dsa_stage", f"must be one of {DSA_STAGES}")
         require(self.indexer_kl_weight >= 0, "indexer_kl_weight", "must be >= 0")
         require(self.dpo_beta > 0, "dpo_beta", "must be > 0")
+        require(self.grad_reduce_dtype in GRAD_REDUCE_DTYPES, "grad_reduce_dtype",
+                f"must be one of {GRAD_REDUCE_DTYPES} ('' = where XLA computes each gradient)")
         require(self.objective != "dpo" or bool(self.init_from), "objective",
                 "'dpo' needs init_from: the starting weights are also the frozen reference")
         require(self.objective != "dpo" or (self.batch_size // self.grad_accum_steps) % 2 == 0, "batch_size",

@@ -4,16 +4,27 @@ One train step: gradients accumulated over microbatches (lax.scan), an AdamW upd
 aux-loss-free router balancing (selection bias += rate * sign(mean load - expert load), outside
 the gradient), and a NaN/Inf guard that keeps the previous state when the loss or the gradient
 norm is not finite.
+
+Gradient reduction: by default XLA sums each weight's gradient over the batch's devices where the
+gradient is computed (in every microbatch, in the dtype of the weight-gradient matmul).
+settings.grad_reduce_dtype ("float32" or "bfloat16") instead computes one gradient per replica of
+the mesh's `data` axis (jax.vmap with spmd_axis_name: each device holds its replica's gradient
+only), accumulates it locally over the microbatches, and sums the replicas once per step in that
+dtype: "bfloat16" halves the bytes of that all-reduce. Like microbatches, replicas weigh equally.
+Refused with a pipeline axis or Pallas kernels under the mesh (their shard_maps do not lower
+under the vmap). docs/scaling.md, "Communication share", has the measurements.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.options import ExecutionOptions
@@ -63,6 +74,58 @@ def update_router_bias(params, loads: dict[str, jax.Array], rate: float):
 def _split_microbatches(batch: Batch, count: int) -> Batch:
     """[B, T] -> [count, B / count, T] for every field."""
     return jax.tree.map(lambda x: x.reshape((count, x.shape[0] // count) + x.shape[1:]), batch)
+
+
+REPLICA_AXIS = "data"
+SUMMED_METRICS = ("target_tokens", "dropped_tokens")  # counts; the other metrics are means
+
+
+def _without_axis(rules, axis: str):
+    """`rules` with mesh axis `axis` removed from every target (it becomes the vmapped replica axis)."""
+    kept = []
+    for name, target in rules:
+        targets = (target,) if isinstance(target, str) else tuple(target or ())
+        targets = tuple(t for t in targets if t != axis)
+        kept.append((name, targets if len(targets) > 1 else (targets[0] if targets else None)))
+    return tuple(kept)
+
+
+def _per_replica_grad_fn(grad_fn, replicas: int, rules):
+    """grad_fn(params, micro) -> same outputs, but grads [replicas, ...]: one per data replica.
+
+    The microbatch's rows split into `replicas` contiguous groups (the `data` axis is the batch
+    rule's outermost mesh axis, so each group lies on one replica's devices) and the gradient is
+    vmapped over them with spmd_axis_name="data": no cross-replica sum happens inside. Metrics
+    come back averaged over replicas (counts summed), expert loads summed."""
+    inner_rules = _without_axis(rules, REPLICA_AXIS)
+
+    def one(params, rows):
+        with nn.logical_axis_rules(inner_rules):  # inside, `data` is the vmapped axis
+            return grad_fn(params, rows)
+
+    def replica_grads(params, micro: Batch):
+        rows = jax.tree.map(lambda x: x.reshape((replicas, x.shape[0] // replicas) + x.shape[1:]), micro)
+        (loss, (metrics, loads)), grads = jax.vmap(one, in_axes=(None, 0), spmd_axis_name=REPLICA_AXIS)(
+            params, rows)
+        metrics = {k: (v.sum(0) if k in SUMMED_METRICS else v.mean(0)) for k, v in metrics.items()}
+        return (loss.mean(0), (metrics, jax.tree.map(lambda x: x.sum(0), loads))), grads
+
+    return replica_grads
+
+
+def _reduce_replicas(grads, dtype: str, stacked: bool):
+    """Per-replica gradients [R, ...] (stacked) or one gradient -> their sum, added in `dtype`
+    (under a mesh: the all-reduce over `data`), returned in float32. lax.reduce, not jnp.sum:
+    jnp.sum would add bfloat16 in float32."""
+    dtype = jnp.dtype(dtype)
+
+    def reduce(g):
+        g = g.astype(dtype)
+        if stacked:
+            g = jax.lax.reduce(g, jnp.zeros((), dtype), jax.lax.add, (0,))
+        return g.astype(jnp.float32)
+
+    return jax.tree.map(reduce, grads)
 
 
 def train_state_shardings(config: ModelConfig, optimizer: optax.GradientTransformation, mesh,
@@ -116,6 +179,11 @@ def make_train_step(config: ModelConfig, settings: TrainSettings,
 
     loss_fn = make_loss_fn(config, settings, options)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    replicas, replica_spec = 1, None
+    if settings.grad_reduce_dtype and mesh is not None and mesh.shape.get(REPLICA_AXIS, 1) > 1:
+        replicas = mesh.shape[REPLICA_AXIS]
+        replica_spec = _check_replicas(config, settings, mesh, rules, replicas, options or ExecutionOptions())
+        grad_fn = _per_replica_grad_fn(grad_fn, replicas, rules)
 
     def train_step(state: TrainState, batch: Batch):
         micro = _split_microbatches(batch, settings.grad_accum_steps)
@@ -132,10 +200,17 @@ def make_train_step(config: ModelConfig, settings: TrainSettings,
         else:
             _, (metric_shapes, load_shapes) = jax.eval_shape(loss_fn, state.params, first)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (metric_shapes, load_shapes))
-            grad_zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            if replica_spec is None:
+                grad_zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            else:  # one replica's accumulator per device: [R, ...] split over `data`
+                grad_zeros = jax.tree.map(
+                    lambda p, spec: jax.lax.with_sharding_constraint(
+                        jnp.zeros((replicas,) + p.shape, jnp.float32), spec), state.params, replica_spec)
             (grads, metrics, loads), _ = jax.lax.scan(accumulate, (grad_zeros, *zeros), micro)
+        if settings.grad_reduce_dtype:
+            grads = _reduce_replicas(grads, settings.grad_reduce_dtype, stacked=replicas > 1)
         scale = 1.0 / settings.grad_accum_steps
-        grads = jax.tree.map(lambda g: g * scale, grads)
+        grads = jax.tree.map(lambda g: g * (scale / replicas), grads)
         metrics = {k: (v if k == "target_tokens" else v * scale) for k, v in metrics.items()}
 
         grad_norm = optax.global_norm(grads)
@@ -165,6 +240,31 @@ def make_train_step(config: ModelConfig, settings: TrainSettings,
 
     sharded_step.jitted = jitted  # for .trace/.lower (call inside sharding.activate)
     return sharded_step
+
+
+def _check_replicas(config: ModelConfig, settings: TrainSettings, mesh, rules, replicas: int,
+                    options: ExecutionOptions):
+    """Raises ValueError when gradients cannot be split per `data` replica; returns the
+    NamedShardings of the [R, ...] per-replica gradient accumulators."""
+    kernels = [f"{field}=pallas" for field in ("attention_impl", "indexer_impl", "moe_impl")
+               if getattr(options, field) == "pallas"]
+    if mesh.shape.get("pipeline", 1) > 1 or kernels:
+        raise ValueError("grad_reduce_dtype cannot vmap over data replicas with "
+                         + (", ".join(kernels) or "pipeline > 1") + " (their shard_maps do not lower under "
+                         "jax.vmap(spmd_axis_name='data')); leave it '' to let XLA reduce the gradients")
+    rows = settings.batch_size // settings.grad_accum_steps
+    if rows % replicas or (settings.objective == "dpo" and (rows // replicas) % 2):
+        raise ValueError(f"grad_reduce_dtype: the {rows} rows of a microbatch do not split into {replicas} "
+                         "data replicas" + (" of whole pairs" if settings.objective == "dpo" else ""))
+    params = sharding.param_shardings(config, mesh, rules)
+    specs = []
+    for named in jax.tree.leaves(params):
+        axes = {a for entry in named.spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))}
+        if REPLICA_AXIS in axes:
+            raise ValueError(f"grad_reduce_dtype: a parameter is split over `{REPLICA_AXIS}` ({named.spec}); "
+                             "the per-replica gradients need it whole on each replica")
+        specs.append(NamedSharding(mesh, PartitionSpec(REPLICA_AXIS, *named.spec)))
+    return jax.tree.unflatten(jax.tree.structure(params), specs)
 
 
 def place_train_state(state: TrainState, config: ModelConfig, optimizer: optax.GradientTransformation,
