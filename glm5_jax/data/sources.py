@@ -1,7 +1,7 @@
 """Text sources for training: what a source is, how its documents are read, and the train/validation split.
 
 A source is described by a frozen `SourceSpec` (usually built from a config dict with
-`source_spec_from_dict`). Five kinds exist:
+`source_spec_from_dict`). Six kinds exist:
 
     python_stdlib   the local Python installation's standard-library `*.py` files (site-packages
                     and dist-packages excluded) plus Debian python3-doc reST sources when installed.
@@ -12,6 +12,8 @@ A source is described by a frozen `SourceSpec` (usually built from a config dict
                     line is one document, rendered with a chat template and trained on its
                     assistant turns only.
     preference_jsonl JSON-lines preference pairs for DPO (glm5_jax/data/preference.py).
+    prepared        the ArrayRecord shards `python -m glm5_jax.data.prepare` writes: paths name
+                    output directories (or shard files); documents keep their original ids.
 
 `load_documents` returns `Document`s in a deterministic order (sorted paths, then line order) with ids
 that do not depend on where Python is installed. `split_documents` assigns each document to train
@@ -31,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-SOURCE_KINDS = ("python_stdlib", "files", "jsonl", "chat_jsonl", "preference_jsonl")
+SOURCE_KINDS = ("python_stdlib", "files", "jsonl", "chat_jsonl", "preference_jsonl", "prepared")
 # Folders of third-party code living inside the stdlib tree; not standard-library text.
 _EXCLUDED_STDLIB_PARTS = frozenset({"site-packages", "dist-packages"})
 # Debian's python3-doc package ships the reST sources of the documentation here.
@@ -156,6 +158,19 @@ def _expand_paths(paths: Sequence[str]) -> list[tuple[str, Path]]:
     return sorted(found)
 
 
+def _prepared_shards(paths: Sequence[str]) -> list[tuple[str, Path]]:
+    """(path, path) for the shards of prepared output directories or shard files; raises when none."""
+    from glm5_jax.data.prepare.writer import shard_files  # array_record only when prepared data is used
+
+    found = []
+    for entry in paths:
+        shards = shard_files(entry)
+        if not shards:
+            raise DataPathNotFoundError(f"prepared data {entry!r} has no .array_record shards")
+        found.extend((shard.as_posix(), shard) for shard in shards)
+    return found
+
+
 def resolve_source_files(spec: SourceSpec) -> list[tuple[str, Path]]:
     """The files a source reads.
 
@@ -166,6 +181,8 @@ def resolve_source_files(spec: SourceSpec) -> list[tuple[str, Path]]:
     """
     if spec.kind == "python_stdlib":
         return _stdlib_files()
+    if spec.kind == "prepared":
+        return _prepared_shards(spec.paths)
     return _expand_paths(spec.paths)
 
 
@@ -226,6 +243,11 @@ def load_documents(spec: SourceSpec) -> list[Document]:
             continue
         if spec.kind in ("chat_jsonl", "preference_jsonl"):
             documents.extend(_line_documents(doc_id, path))
+            continue
+        if spec.kind == "prepared":
+            from glm5_jax.data.prepare.writer import read_records
+
+            documents.extend(Document(record["id"], record["text"]) for record in read_records(path))
             continue
         text = _read_text(path)
         if text and text.strip():

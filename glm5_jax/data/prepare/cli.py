@@ -1,0 +1,76 @@
+"""Prepare training data: filter, deduplicate, tag and shard a configured corpus.
+
+    python -m glm5_jax.data.prepare --config configs/data/demo.py --output DIR
+        [--review N] [--executor local|ray] [--workers K] [--overwrite] [--config.<key>=<value> ...]
+
+Writes DIR/data-*.array_record (train on them with a source dict(kind="prepared", paths=["DIR"])),
+stats.json, decisions.jsonl, summary.png and, with --review, review.md (docs/data.md).
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from glm5_jax.data.prepare.config import PrepareConfigError, settings_from_config
+from glm5_jax.data.prepare.executors import EXECUTORS, make_executor
+from glm5_jax.data.prepare.run import prepare
+from glm5_jax.data.sources import DataSourceError
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "a configs/data/*.py prepare config", lock_config=True
+)
+_OUTPUT = flags.DEFINE_string("output", None, "output directory for the shards, stats.json and the rest")
+_REVIEW = flags.DEFINE_integer(
+    "review", 0, "write N random kept and N dropped documents per stage to review.md (0: none)"
+)
+_EXECUTOR = flags.DEFINE_enum(
+    "executor",
+    "local",
+    EXECUTORS,
+    "local: a process pool on this machine; ray: Ray tasks (RAY_ADDRESS, or a local Ray instance)",
+)
+_WORKERS = flags.DEFINE_integer("workers", None, "worker processes (default: all cores)")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace a previous run's output in --output")
+_PROGRESS = flags.DEFINE_bool("progress", True, "show progress bars")
+
+
+def main(argv) -> None:
+    del argv
+    if _CONFIG.value is None or not _OUTPUT.value:
+        raise app.UsageError("--config and --output are required")
+    try:
+        settings = settings_from_config(_CONFIG.value)
+        with make_executor(_EXECUTOR.value, _WORKERS.value, _PROGRESS.value) as executor:
+            stats = prepare(
+                settings, _OUTPUT.value, executor=executor, review=_REVIEW.value, overwrite=_OVERWRITE.value
+            )
+    except (PrepareConfigError, DataSourceError, FileExistsError, FileNotFoundError) as error:
+        raise SystemExit(f"error: {error}") from None
+    for stage in stats["stages"]:
+        dropped = ", ".join(
+            f"{reason} {entry['documents']}"
+            for reason, entry in stage["dropped"].items()
+            if entry["documents"]
+        )
+        print(
+            f"{stage['name']:12s} {stage['documents_in']:7d} -> {stage['documents_out']:7d} documents"
+            f"{'  (' + dropped + ')' if dropped else ''}"
+        )
+    timing = stats["timing"]
+    print(
+        f"kept {stats['kept_fraction']['documents']:.1%} of documents, "
+        f"{stats['kept_fraction']['tokens']:.1%} of tokens ({stats['token_unit']}); domains "
+        + json.dumps({name: round(entry["token_share"], 3) for name, entry in stats["domains"].items()})
+    )
+    print(
+        f"{timing['seconds']:.1f} s, {timing['seconds_per_1k_documents']:.2f} s per 1k documents "
+        f"({timing['executor']}, {timing['workers']} workers); wrote {len(stats['shards'])} shards to "
+        f"{_OUTPUT.value}"
+    )
+
+
+def run() -> None:
+    app.run(main)

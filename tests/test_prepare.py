@@ -1,0 +1,421 @@
+"""Tests for glm5_jax.data.prepare on a planted corpus: every rule drops exactly its planted junk,
+near-duplicates with known edits are found (and no pair below 0.5 Jaccard is), stats add up, the
+learned scorer beats a constant, executors agree, and the shards read back as a training source.
+
+No JAX anywhere; the whole file runs in a few seconds plus Ray's start-up (one test).
+"""
+
+import json
+import random
+import sysconfig
+
+import numpy as np
+import pytest
+
+from glm5_jax.data import make_train_iterator, source_spec_from_dict, train_bpe_tokenizer
+from glm5_jax.data.prepare import domains, normalise, quality, quality_data
+from glm5_jax.data.prepare.config import PrepareConfigError, settings_from_config
+from glm5_jax.data.prepare.dedup import shingles
+from glm5_jax.data.prepare.executors import LocalExecutor
+from glm5_jax.data.prepare.readers import ReaderSpec, read_source
+from glm5_jax.data.prepare.run import prepare
+from glm5_jax.data.prepare.writer import read_prepared, shard_files
+from glm5_jax.data.sources import SourceSpec, load_documents
+
+pytestmark = pytest.mark.xdist_group("prepare")
+
+STOP = ("the", "of", "and", "to", "with", "that")
+COMMON = ("a", "in", "it", "for", "not", "on", "as", "at", "this", "but", "by", "from")  # no Gopher stop word
+
+
+def _vocabulary(rng, count, low=4, high=8):
+    letters = "bcdfghklmnprstvz"
+    vowels = "aeiou"
+    return [
+        "".join(rng.choice(letters if i % 2 == 0 else vowels) for i in range(rng.randint(low, high)))
+        for _ in range(count)
+    ]
+
+
+def _sentence(rng, vocabulary, glue=STOP, length=(9, 14)):
+    words = [
+        rng.choice(glue) if rng.random() < 0.3 else rng.choice(vocabulary)
+        for _ in range(rng.randint(*length))
+    ]
+    return " ".join(words).capitalize() + "."
+
+
+def _prose(rng, vocabulary, paragraphs=4, sentences=4, **kwargs):
+    return "\n\n".join(
+        " ".join(_sentence(rng, vocabulary, **kwargs) for _ in range(sentences)) for _ in range(paragraphs)
+    )
+
+
+def _edit(rng, text, substitutions, vocabulary):
+    """text with `substitutions` words replaced, spread evenly (known edits for the near-dup test)."""
+    words = text.split(" ")
+    for position in np.linspace(0, len(words) - 1, substitutions).astype(int):
+        words[position] = rng.choice(vocabulary) + "x"
+    return " ".join(words)
+
+
+def _code(rng, vocabulary, functions=4):
+    parts = []
+    for _ in range(functions):
+        name, argument = rng.choice(vocabulary), rng.choice(vocabulary)
+        parts.append(
+            f'def {name}_{rng.randrange(1000)}({argument}):\n    """Return {argument} scaled."""\n'
+            f"    total = {argument} * {rng.randrange(2, 9)}\n    return total + {rng.randrange(100)}\n"
+        )
+    return "\n\n".join(parts)
+
+
+PLANTED_RULES = {
+    "gopher_word_count",
+    "gopher_mean_word_length",
+    "gopher_symbol_ratio",
+    "gopher_bullet_lines",
+    "gopher_ellipsis_lines",
+    "gopher_alpha_words",
+    "gopher_stop_words",
+    "gopher_line_repetition",
+    "gopher_ngram_repetition",
+    "c4_lorem_ipsum",
+    "c4_curly_braces",
+    "c4_javascript_notice",
+    "code_max_line_length",
+    "code_alphanumeric_fraction",
+    "code_generated_marker",
+}
+
+
+def _junk(rng, vocabulary):
+    """{rule: text} with one document failing only that rule (first in rule order)."""
+    sentences = [_sentence(rng, vocabulary) for _ in range(12)]
+    fresh = lambda count: [_sentence(rng, vocabulary) for _ in range(count)]  # no junk shares sentences
+    long_words = _vocabulary(rng, 200, 14, 16)
+    return {
+        "gopher_word_count": " ".join(sentences[:2]),
+        "gopher_mean_word_length": _prose(rng, long_words),
+        "gopher_symbol_ratio": " ".join(
+            w + (" #tag" if i % 5 == 0 else "") for i, w in enumerate(" ".join(fresh(12)).split())
+        ),
+        "gopher_bullet_lines": "\n".join(f"- {sentence}" for sentence in fresh(12)),
+        "gopher_ellipsis_lines": "\n".join(
+            " ".join(fresh(3)).rstrip(".") + ("..." if i % 2 else ".") for i in range(8)
+        ),
+        "gopher_alpha_words": " ".join(
+            w if i % 3 else str(1000 + i) for i, w in enumerate(" ".join(fresh(12)).split())
+        ),
+        "gopher_stop_words": _prose(rng, vocabulary, glue=COMMON),
+        "gopher_line_repetition": "\n".join(sentences[:6] + sentences[:4]),
+        "gopher_ngram_repetition": "\n".join(
+            f"{s} Nobody koloma serat vinu bela daro here." for s in fresh(12)
+        ),
+        "c4_lorem_ipsum": _prose(rng, vocabulary) + "\n\nLorem ipsum dolor sit amet, consectetur adipiscing.",
+        "c4_curly_braces": _prose(rng, vocabulary) + "\n\nDear {customer_name}, thanks for the order.",
+        "c4_javascript_notice": _prose(rng, vocabulary) + "\n\nPlease enable JavaScript in your browser.",
+    }
+
+
+def _code_junk(rng, vocabulary):
+    return {
+        "code_max_line_length": _code(rng, vocabulary) + "\nTABLE = '" + "ab " * 600 + "'\n",
+        "code_alphanumeric_fraction": "PATTERN = (\n"
+        + "\n".join("    '+-*/ <>=!~ |&^ %$@ ;:,. ?'" for _ in range(30))
+        + ")\n",
+        "code_generated_marker": "# This file is auto-generated. DO NOT EDIT.\n" + _code(rng, vocabulary),
+    }
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Planted files; returns paths and the expected fate of each planted document."""
+    rng = random.Random(0)
+    vocabulary = _vocabulary(rng, 3000)
+    root = tmp_path_factory.mktemp("planted")
+    (root / "text").mkdir()
+    (root / "code").mkdir()
+    expected, texts = {}, {}
+
+    def write(folder, name, text, fate):
+        path = root / folder / name
+        path.write_text(text, encoding="utf-8", newline="")
+        texts[path.as_posix()] = text
+        expected[path.as_posix()] = fate
+
+    for index in range(30):
+        write("text", f"good_{index:02d}.txt", _prose(rng, vocabulary), "kept")
+    for index in range(12):
+        write("code", f"good_{index:02d}.py", _code(rng, vocabulary), "kept")
+    for rule, text in _junk(rng, vocabulary).items():
+        write("text", f"junk_{rule}.txt", text, rule)
+    for rule, text in _code_junk(rng, vocabulary).items():
+        write("code", f"junk_{rule}.py", text, rule)
+    # Normalisation: a CRLF / no-break-space / decomposed-accent copy of good_00 is an exact duplicate.
+    base = texts[(root / "text" / "good_00.txt").as_posix()]
+    variant = base.replace("\n", "\r\n").replace(" ", "\u00a0", 3).replace("\r\n", "  \r\n", 2) + "  \r\n"
+    write("text", "zz_exact_copy.txt", variant, "exact_duplicate")
+    write("text", "zz_nothing.txt", "\u200b\u200b\n", "empty")
+    # Quality: keyword spam that no rule catches (the planted model penalises "cheap" and "buy").
+    write("text", "spam.txt", _prose(rng, vocabulary) + " Cheap buy cheap buy now.", "low_quality")
+    # Level 3: a code file that is only a licence header is empty after cleaning.
+    write(
+        "code",
+        "licence_only.py",
+        "# Copyright 2020 Example Corp.\n# Licensed under the MIT License.\n",
+        "empty_after_cleaning",
+    )
+    write(
+        "code",
+        "with_licence.py",
+        "# Copyright 2020 Example Corp. All rights reserved.\n\n\n\n" + _code(rng, vocabulary),
+        "kept",
+    )
+    # Near duplicates: copies of good_01..good_20 with known substitutions (high and low similarity).
+    pairs = []
+    for index in range(1, 21):
+        original = texts[(root / "text" / f"good_{index:02d}.txt").as_posix()]
+        substitutions = 3 if index <= 12 else 40  # ~0.9 Jaccard / ~0.1-0.45 Jaccard
+        copy = _edit(rng, original, substitutions, vocabulary)
+        name = f"zz_edit_{index:02d}.txt"
+        high = substitutions == 3
+        write("text", name, copy, "near_duplicate" if high else "kept")
+        pairs.append(
+            ((root / "text" / name).as_posix(), (root / "text" / f"good_{index:02d}.txt").as_posix())
+        )
+    return {"root": root, "expected": expected, "texts": texts, "pairs": pairs}
+
+
+def _spam_model(path):
+    """A hand-set QualityModel: bias +4, the buckets of "cheap", "buy" and their bigrams very negative."""
+    weights = np.zeros(1 << 16, np.float32)
+    indices, _ = quality.hashed_features("cheap buy cheap", 1 << 16)
+    weights[indices] = -60.0
+    quality.save_model(quality.QualityModel(weights, 4.0), path)
+    return str(path)
+
+
+def _config(corpus, **overrides):
+    root = corpus["root"]
+    config = {
+        "sources": [
+            dict(kind="files", paths=[f"{root}/text/*.txt"], name="text"),
+            dict(kind="code_dir", paths=[f"{root}/code"], extensions=[".py"], name="code"),
+        ],
+        "dedup": dict(threshold=0.7),
+        "quality": dict(model_path=_spam_model(root / "spam_model.npz"), threshold=0.5),
+        "output": dict(docs_per_shard=16),
+        "batch_docs": 8,
+        "seed": 0,
+    }
+    config.update(overrides)
+    return settings_from_config(config)
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory):
+    output = tmp_path_factory.mktemp("prepared")
+    with LocalExecutor(workers=1, progress=False) as executor:
+        stats = prepare(_config(corpus), output, executor=executor, review=2)
+    decisions = {
+        row["id"]: row for row in map(json.loads, (output / "decisions.jsonl").read_text().splitlines())
+    }
+    return {"output": output, "stats": stats, "decisions": decisions}
+
+
+def test_each_rule_drops_exactly_its_planted_junk(corpus, prepared):
+    fates = {doc_id: row.get("reason", "kept") for doc_id, row in prepared["decisions"].items()}
+    assert fates == corpus["expected"]
+    dropped_rules = {rule for rule, entry in prepared["stats"]["rules"].items() if entry["documents"]}
+    assert dropped_rules == PLANTED_RULES
+    assert all(
+        entry["documents"] == 1 for rule, entry in prepared["stats"]["rules"].items() if rule in PLANTED_RULES
+    )
+
+
+def test_near_duplicates_found_without_false_positives(corpus, prepared):
+    decisions = prepared["decisions"]
+    similarity = {}
+    for copy, original in corpus["pairs"]:
+        a, b = set(shingles(corpus["texts"][copy], 5)), set(shingles(corpus["texts"][original], 5))
+        similarity[copy] = len(a & b) / len(a | b)
+    above = [copy for copy, value in similarity.items() if value >= 0.7]
+    below = [copy for copy, value in similarity.items() if value < 0.5]
+    assert len(above) >= 10 and len(below) >= 5, similarity  # the planted edits span both sides
+    found = [copy for copy in above if decisions[copy].get("duplicate_of") == dict(corpus["pairs"])[copy]]
+    assert len(found) / len(above) >= 0.9
+    assert not [copy for copy in below if decisions[copy].get("reason") == "near_duplicate"]
+    # No document is called a near-duplicate of one it shares under half its shingles with.
+    for doc_id, row in decisions.items():
+        if row.get("reason") == "near_duplicate":
+            a = set(shingles(corpus["texts"][doc_id], 5))
+            b = set(shingles(corpus["texts"][row["duplicate_of"]], 5))
+            assert len(a & b) / len(a | b) >= 0.5, doc_id
+
+
+def test_stats_add_up(prepared):
+    stats = prepared["stats"]
+    assert json.loads((prepared["output"] / "stats.json").read_text()) == stats
+    stages = stats["stages"]
+    assert [stage["name"] for stage in stages] == [
+        "normalise",
+        "exact_dedup",
+        "near_dedup",
+        "rules",
+        "quality",
+        "domain",
+    ]
+    for stage, following in zip(stages, stages[1:], strict=False):
+        assert stage["documents_out"] == following["documents_in"]
+        assert stage["tokens_out"] == following["tokens_in"]
+    for stage in stages:
+        dropped = stage["dropped"].values()
+        assert stage["documents_in"] == stage["documents_out"] + sum(entry["documents"] for entry in dropped)
+        assert (
+            stage["tokens_in"]
+            == stage["tokens_out"] + sum(e["tokens"] for e in dropped) + stage["tokens_changed"]
+        )
+    assert stats["documents_in"] == len(prepared["decisions"])
+    assert stats["documents_out"] == sum(row["kept"] for row in prepared["decisions"].values())
+    assert stats["duplicates"]["exact"] == {"documents": 1, "groups": 1}
+    assert sum(entry["documents"] for entry in stats["domains"].values()) == stats["documents_out"]
+    assert sum(entry["token_share"] for entry in stats["domains"].values()) == pytest.approx(1.0)
+    assert set(stats["domains"]) == {"code", "prose"}
+    assert stats["kept_fraction"]["documents"] == pytest.approx(
+        stats["documents_out"] / stats["documents_in"]
+    )
+    assert stats["timing"]["seconds_per_1k_documents"] > 0
+    review = (prepared["output"] / "review.md").read_text()
+    assert "## rules" in review and "### dropped (2)" in review and "### kept (2)" in review
+
+
+def test_prepared_shards_read_back_as_a_source(prepared, corpus):
+    import grain
+
+    output = prepared["output"]
+    kept = [doc_id for doc_id, row in prepared["decisions"].items() if row["kept"]]
+    records = list(read_prepared(output))
+    assert [record["id"] for record in records] == kept
+    documents = load_documents(SourceSpec(kind="prepared", paths=(str(output),)))
+    assert [document.doc_id for document in documents] == kept
+    cleaned = next(record for record in records if record["id"].endswith("with_licence.py"))
+    assert "Copyright" not in cleaned["text"] and cleaned["text"].startswith("def ")
+    assert cleaned["domain"] == "code" and cleaned["quality"] is None
+    shards = [str(path) for path in shard_files(output)]
+    assert len(shards) == -(-len(kept) // 16) > 1
+    source = grain.sources.ArrayRecordDataSource(shards)  # random access, as grain reads it
+    assert len(source) == len(kept)
+    assert json.loads(source[len(kept) - 1])["id"] == kept[-1]
+    # train.py's data path: a `prepared` source through the grain packing pipeline.
+    spec = source_spec_from_dict({"kind": "prepared", "paths": [str(output)]})
+    tokenizer = train_bpe_tokenizer([record["text"] for record in records], vocab_size=300)
+    batches = make_train_iterator(
+        [spec], tokenizer, seq_len=32, batch_size=2, seed=0, validation_fraction=0.1
+    )
+    assert next(batches)["input_ids"].shape == (2, 32)
+
+
+def _outputs(output):
+    """Everything a run writes but its timing."""
+    stats = json.loads((output / "stats.json").read_text())
+    stats.pop("timing")
+    return (
+        [path.read_bytes() for path in shard_files(output)],
+        (output / "decisions.jsonl").read_text(),
+        stats,
+        (output / "review.md").read_text(),
+    )
+
+
+def test_worker_count_does_not_change_the_output(corpus, prepared, tmp_path):
+    with LocalExecutor(workers=2, progress=False) as executor:
+        prepare(_config(corpus, batch_docs=3), tmp_path, executor=executor, review=2)
+    assert _outputs(tmp_path) == _outputs(prepared["output"])
+
+
+def test_ray_executor_matches_local(corpus, prepared, tmp_path):
+    ray = pytest.importorskip("ray")
+    from glm5_jax.data.prepare.executors import RayExecutor
+
+    # One Ray worker: Ray's start (~10 s here) and its worker importing glm5_jax (and so JAX) are
+    # most of this test's cost; more workers add start-up without testing anything more.
+    with RayExecutor(workers=1, progress=False) as executor:
+        prepare(_config(corpus, batch_docs=5), tmp_path, executor=executor, review=2)
+    assert not ray.is_initialized()
+    assert _outputs(tmp_path) == _outputs(prepared["output"])
+
+
+def test_output_directory_is_not_overwritten_by_accident(corpus, prepared):
+    with (
+        LocalExecutor(workers=1, progress=False) as executor,
+        pytest.raises(FileExistsError, match="overwrite"),
+    ):
+        prepare(_config(corpus), prepared["output"], executor=executor)
+
+
+def test_learned_scorer_beats_a_constant(tmp_path):
+    stdlib = sysconfig.get_paths()["stdlib"]
+    documents = read_source(ReaderSpec(kind="files", paths=(f"{stdlib}/[a-c]*.py",)))
+    passages = quality_data.positive_passages(documents)
+    model = quality.train_model(passages, seed=0, dims=1 << 14, holdout_fraction=0.3)
+    held_out = model.metrics["held_out"]
+    assert held_out["examples"] >= 40
+    assert held_out["accuracy"] >= held_out["constant_accuracy"] + 0.2
+    assert held_out["precision"] >= 0.7 and held_out["recall"] >= 0.7
+    quality.save_model(model, tmp_path / "model.npz")
+    loaded = quality.load_model(tmp_path / "model.npz")
+    text = passages[0].text
+    assert loaded.score(text) == pytest.approx(model.score(text), abs=1e-6)
+    assert loaded.metrics == json.loads(json.dumps(model.metrics))
+
+
+def test_normalise_and_domain_cleaning():
+    assert normalise.normalise_text("\ufeff\n\ncafe\u0301\u00a0bar\r\nx\x07y\u200b\n\n") == "café bar\nxy"
+    code = (
+        "#!/usr/bin/env python\n# Copyright (c) 2001 PSF\n# Licensed under the PSF licence.\n\n"
+        "import os  \n\n\n\n\nx = 1\n"
+    )
+    settings = settings_from_config({"sources": [dict(kind="python_stdlib")]}).domains
+    assert domains.clean_text(code, "code", settings) == "#!/usr/bin/env python\nimport os\n\n\nx = 1"
+    assert domains.clean_text("A  b.\n\n\n\nC   d.  ", "prose", settings) == "A b.\n\nC d."
+    assert domains.tag_domain("lib/x.py", "anything") == "code"
+    assert domains.tag_domain("docs/x.rst.txt", "anything") == "docs"
+    assert domains.tag_domain("data.jsonl:3", "int main() {\n  return 0;\n}\n") == "code"
+    assert domains.tag_domain("a.txt", "Title\n=====\n\nSee :func:`os.path` and ``x``.\n") == "docs"
+    assert (
+        domains.tag_domain(
+            "a.txt", "This is a sentence with the words of it and a few more to read in the text for you."
+        )
+        == "prose"
+    )
+    assert domains.tag_domain("a.txt", "1 2 3 4 | 5 6") == "other"
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(PrepareConfigError, match="thresold"):
+        settings_from_config({"sources": [dict(kind="python_stdlib")], "dedup": dict(thresold=0.5)})
+    with pytest.raises(PrepareConfigError, match="no sources"):
+        settings_from_config({"sources": []})
+    with pytest.raises(ValueError, match="reader kind"):
+        settings_from_config({"sources": [dict(kind="nope", paths=["x"])]})
+
+
+def test_parquet_and_code_dir_readers(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as parquet
+
+    parquet.write_table(pa.table({"body": ["first text", None, "", "third text"]}), tmp_path / "t.parquet")
+    documents = read_source(ReaderSpec(kind="parquet", paths=(str(tmp_path / "*.parquet"),), field="body"))
+    assert [(d.doc_id.rsplit("/", 1)[1], d.text) for d in documents] == [
+        ("t.parquet:1", "first text"),
+        ("t.parquet:4", "third text"),
+    ]
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / ".venv").mkdir()
+    for name in ("pkg/a.py", "pkg/sub/b.c", "pkg/sub/c.txt", "pkg/.venv/d.py"):
+        (tmp_path / name).write_text(f"// {name}\n")
+    documents = read_source(
+        ReaderSpec(kind="code_dir", paths=(str(tmp_path / "pkg"),), extensions=(".py", ".c"))
+    )
+    assert [d.doc_id.rsplit("/pkg/", 1)[1] for d in documents] == ["a.py", "sub/b.c"]
