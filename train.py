@@ -11,7 +11,13 @@ The config file's `get_config()` returns an ml_collections ConfigDict with these
                assistant turns only, rendered with the run's chat template), tokenizer_path ("" trains a
                byte-level BPE of data.vocab_size on the sources, cached in data.cache_dir, or
                in the workdir when cache_dir is ""),
-               seq_len, validation_fraction, seed
+               seq_len, validation_fraction, seed, and optionally schedule: staged mixtures, a list of
+               dict(until_step=N, weights=dict(<source name>=w, ...), difficulty_weight=b) whose last
+               stage has no until_step; a stage trains the steps after the previous until_step up to
+               its own, its weights replace the sources' weights, and b > 0 draws a prepared source's
+               documents with probability ~ exp(b * difficulty). Deterministic; resuming mid-stage
+               reproduces the uninterrupted run; each stage's weights go to metrics.jsonl (data/...) at
+               its first step (glm5_jax/data/schedule.py, docs/data.md "Staged mixtures")
   top level    num_train_steps (run length), batch_size, grad_accum_steps, learning_rate,
                warmup_steps, min_learning_rate_ratio, weight_decay, adam_b1/b2/eps,
                clip_grad_norm, z_loss_weight, mtp_loss_weight, balance_loss_weight,
@@ -49,6 +55,7 @@ from tqdm import tqdm
 
 from glm5_jax import data as data_lib
 from glm5_jax.data.chat import ChatStatistics
+from glm5_jax.data.schedule import schedule_from_config
 from glm5_jax.model import ConfigError, ModelConfig, init_params
 from glm5_jax.model.count import count_params
 from glm5_jax.model.options import ExecutionOptions
@@ -144,6 +151,7 @@ def main(argv):
                              + ("only preference_jsonl sources" if settings.objective == "dpo"
                                 else "text or chat sources "
                                      "(preference_jsonl pairs train with objective='dpo')"))
+        data_schedule = schedule_from_config(config.data.get("schedule"), sources)  # None: fixed weights
         # config.mesh (optional): axis sizes; config.sharding_rules: logical axis overrides.
         mesh = None
         if "mesh" in config:
@@ -184,7 +192,7 @@ def main(argv):
     train_batches = data_lib.make_train_iterator(
         sources, tokenizer, batch_size=settings.batch_size // jax.process_count(),
         shard_index=jax.process_index(), shard_count=jax.process_count(),
-        chat_statistics=chat_statistics.get("train"), **data_options)
+        chat_statistics=chat_statistics.get("train"), schedule=data_schedule, **data_options)
     validation_batches = data_lib.make_validation_batches(
         sources, tokenizer, batch_size=settings.batch_size, max_batches=settings.eval_batches,
         chat_statistics=chat_statistics.get("validation"), **data_options)
@@ -226,7 +234,10 @@ def main(argv):
                                     train_state_shardings(model_config, optimizer, mesh, rules,
                                                           options=options))
         state, data_state, _ = checkpoints.restore(resume_step, abstract)
-        train_batches.set_state(data_state)
+        try:
+            train_batches.set_state(data_state)
+        except ValueError as error:  # e.g. data.schedule added or removed since the checkpoint
+            raise SystemExit(f"error: cannot resume the data at step {resume_step}: {error}") from None
     counts = count_params(model_config)
     print(f"model: {counts['total'] / 1e6:.1f}M params ({counts['active'] / 1e6:.1f}M active, "
           f"MTP {counts['mtp'] / 1e6:.1f}M); tokenizer vocab {tokenizer.get_vocab_size()}; "
@@ -273,6 +284,13 @@ def main(argv):
     progress = tqdm(total=settings.num_train_steps, initial=step, unit="step", dynamic_ncols=True,
                     mininterval=1.0, file=sys.stdout)
     while step < settings.num_train_steps and stop.signal_name is None:
+        if data_schedule is not None and data_schedule.stage_starts(step):
+            # Logged under the stage's first step, so a resume at the boundary rewrites it exactly once.
+            stage = data_schedule.stage_at(step)
+            metrics_log.write(step + 1, data_schedule.describe(stage))
+            tqdm.write(f"data stage {stage} from step {step + 1}: " + ", ".join(
+                f"{key.removeprefix('data/')} {value:.3g}" for key, value in
+                data_schedule.describe(stage).items() if key != "data/stage"))
         started = time.perf_counter()
         batch = with_reference(place_batch(next(train_batches)))
         state, metrics = train_step(state, batch)

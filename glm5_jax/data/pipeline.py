@@ -21,6 +21,11 @@ and packed whole with first-fit packing (FirstFitPackIterDataset): an example is
 across rows, so a target never loses its context; examples longer than seq_len were cut (counted).
 Text rows have loss_mask 1 on every real token.
 
+With a `schedule` (glm5_jax/data/schedule.py, `config.data.schedule`) the last mix is replaced by
+ScheduledBatches: each stage's weights assign rows to sources by a fixed interleave, switching at
+exact steps, and a source whose stage has a difficulty weight draws its documents with replacement,
+hard ones more often, instead of in shuffled epochs.
+
 A document piece continued from the previous row starts a new segment at position 0 (grain's
 ConcatThenSplit behaviour): attention never crosses rows, so its positions restart with its context.
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +47,7 @@ import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, FirstFitPackIterDataset
 from tokenizers import Tokenizer
 
+from glm5_jax.data.schedule import MixtureSchedule, ScheduledBatches, document_difficulties
 from glm5_jax.data.sources import Document, SourceSpec, load_documents, split_documents
 from glm5_jax.data.tokenizer import end_of_text_id
 
@@ -177,13 +184,29 @@ def _pair_batches(pairs: grain.IterDataset, batch_size: int) -> grain.IterDatase
         lambda batch: {name: value.reshape((-1,) + value.shape[2:]) for name, value in batch.items()})
 
 
+def _example_rows(examples: list, seq_len: int, bins: int, seed: int, source_index: int) -> grain.IterDataset:
+    """Chat examples' endless packed rows, reshuffled every epoch."""
+    shuffle_seed = _derived_seed(seed, "shuffle", source_index)
+    examples = grain.MapDataset.source(examples).shuffle(shuffle_seed).repeat()
+    return _packed_examples(examples, seq_len, bins)
+
+
 def _chat_rows(documents: Sequence[Document], spec: SourceSpec, tokenizer: Tokenizer, seq_len: int,
                bins: int, seed: int, source_index: int, renderer, statistics) -> grain.IterDataset:
     """One chat source's endless packed rows, reshuffled every epoch."""
     examples = _chat_examples(documents, spec, tokenizer, seq_len, renderer, statistics)
-    shuffle_seed = _derived_seed(seed, "shuffle", source_index)
-    examples = grain.MapDataset.source(examples).shuffle(shuffle_seed).repeat()
-    return _packed_examples(examples, seq_len, bins)
+    return _example_rows(examples, seq_len, bins, seed, source_index)
+
+
+def _stream_members(count: int, streams: int, seed: int, source_index: int) -> list[np.ndarray]:
+    """A seeded partition of range(count) into min(streams, count) (at least 1) disjoint index arrays."""
+    order = np.random.default_rng(_derived_seed(seed, "streams", source_index)).permutation(count)
+    streams = max(1, min(streams, count))
+    return [order[stream::streams] for stream in range(streams)]
+
+
+def _mixed_streams(rows: list[grain.IterDataset]) -> grain.IterDataset:
+    return rows[0] if len(rows) == 1 else grain.IterDataset.mix(rows, weights=[1.0] * len(rows))
 
 
 def _interleaved_rows(documents: Sequence[Document], tokenizer: Tokenizer, seq_len: int, streams: int,
@@ -194,15 +217,43 @@ def _interleaved_rows(documents: Sequence[Document], tokenizer: Tokenizer, seq_l
     hold one or two files; splitting the (shuffled) documents into `streams` disjoint streams,
     each packed on its own, puts a different document in every row of a batch.
     """
-    order = np.random.default_rng(_derived_seed(seed, "streams", source_index)).permutation(len(documents))
-    streams = max(1, min(streams, len(documents)))
     rows = []
-    for stream in range(streams):
-        texts = grain.MapDataset.source([documents[i].text for i in order[stream::streams]])
+    for stream, members in enumerate(_stream_members(len(documents), streams, seed, source_index)):
+        texts = grain.MapDataset.source([documents[i].text for i in members])
         # Shuffle before repeat: grain folds the epoch number into the seed, so each epoch differs.
         texts = texts.shuffle(_derived_seed(seed, "shuffle", source_index, stream)).repeat()
         rows.append(_packed_rows(texts, tokenizer, seq_len))
-    return rows[0] if streams == 1 else grain.IterDataset.mix(rows, weights=[1.0] * streams)
+    return _mixed_streams(rows)
+
+
+class _WeightedDraws:
+    """An endless random-access sequence of texts drawn with replacement: element i is text j with
+    probability weights[j] / sum(weights), fixed by (seed, i), so any element can be re-read."""
+
+    def __init__(self, texts: Sequence[str], log_weights: np.ndarray, seed: int):
+        self._texts = list(texts)
+        self._cumulative = np.cumsum(np.exp(log_weights - log_weights.max()))  # [len(texts)]
+        self._seed = seed
+
+    def __len__(self) -> int:
+        return sys.maxsize
+
+    def __getitem__(self, index: int) -> str:
+        draw = np.random.default_rng((self._seed, index)).random() * self._cumulative[-1]
+        chosen = int(np.searchsorted(self._cumulative, draw, side="right"))
+        return self._texts[min(chosen, len(self._texts) - 1)]  # min: draw may round up to the total
+
+
+def _weighted_rows(documents: Sequence[Document], log_weights: np.ndarray, tokenizer: Tokenizer, seq_len: int,
+                   streams: int, seed: int, source_index: int) -> grain.IterDataset:
+    """Like _interleaved_rows, but each stream draws its documents with replacement with probability
+    proportional to exp(log_weights) (float [len(documents)]) instead of in shuffled epochs."""
+    rows = []
+    for stream, members in enumerate(_stream_members(len(documents), streams, seed, source_index)):
+        draws = _WeightedDraws([documents[i].text for i in members], log_weights[members],
+                               _derived_seed(seed, "draws", source_index, stream))
+        rows.append(_packed_rows(grain.MapDataset.source(draws), tokenizer, seq_len))
+    return _mixed_streams(rows)
 
 
 def _rename(batch: dict[str, np.ndarray]) -> Batch:
@@ -256,10 +307,38 @@ def _check_shapes(seq_len: int, batch_size: int) -> None:
         raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
 
 
+def _scheduled_batches(sources: Sequence[SourceSpec], shards: list[list[Document]], schedule: MixtureSchedule,
+                       tokenizer: Tokenizer, seq_len: int, batch_size: int, seed: int, chat_renderer,
+                       chat_statistics) -> ScheduledBatches:
+    """Batches mixed by a MixtureSchedule: chat examples and difficulty scores are read once here; a
+    source's row stream for a segment (first stage, difficulty weight) is rebuilt on demand from them.
+    The segment starting at stage 0 is seeded like the unscheduled pipeline, later ones by (seed, stage)."""
+    names = tuple(spec.name for spec in sources)
+    if schedule.source_names != names:
+        raise ValueError(f"the schedule's sources {list(schedule.source_names)} are not the sources "
+                         f"{list(names)}")
+    examples = {index: _chat_examples(documents, spec, tokenizer, seq_len, chat_renderer, chat_statistics)
+                for index, (spec, documents) in enumerate(zip(sources, shards, strict=True))
+                if spec.kind == "chat_jsonl"}
+    difficulties = {index: document_difficulties(sources[index], shards[index])
+                    for index in range(len(sources)) if schedule.uses_difficulty(index)}
+
+    def make_rows(source: int, first_stage: int, difficulty_weight: float) -> grain.IterDataset:
+        stage_seed = seed if first_stage == 0 else _derived_seed(seed, "stage", first_stage)
+        if source in examples:
+            return _example_rows(examples[source], seq_len, batch_size, stage_seed, source)
+        if difficulty_weight == 0:
+            return _interleaved_rows(shards[source], tokenizer, seq_len, batch_size, stage_seed, source)
+        return _weighted_rows(shards[source], difficulty_weight * difficulties[source], tokenizer, seq_len,
+                              batch_size, stage_seed, source)
+
+    return ScheduledBatches(schedule, make_rows, batch_size)
+
+
 def make_train_iterator(
     sources: Sequence[SourceSpec], tokenizer: Tokenizer, *, seq_len: int, batch_size: int, seed: int,
     validation_fraction: float, shard_index: int = 0, shard_count: int = 1, chat_renderer=None,
-    chat_statistics=None,
+    chat_statistics=None, schedule: MixtureSchedule | None = None,
 ) -> grain.DatasetIterator:
     """An endless, deterministic iterator of packed training batches for this shard.
 
@@ -275,6 +354,8 @@ def make_train_iterator(
             built-in GLM-5 format).
         chat_statistics: a glm5_jax.data.chat.ChatStatistics that counts the chat examples kept,
             truncated and skipped (optional).
+        schedule: a glm5_jax.data.schedule.MixtureSchedule over these sources (None: the sources'
+            fixed weights): per-stage weights and difficulty up-weighting, switched at exact steps.
     Returns:
         grain DatasetIterator yielding {"input_ids", "segment_ids", "positions", "loss_mask"}: int32
         [batch_size, seq_len]; segment_ids are 1-based per document piece within a row (0 = padding),
@@ -289,10 +370,15 @@ def make_train_iterator(
         shard_index=shard_index, shard_count=shard_count,
     )
     if _preference_sources(sources):
+        if schedule is not None:
+            raise ValueError("preference_jsonl sources (DPO pairs) are not mixed by a schedule")
         pairs = [pair for spec, documents in zip(sources, shards, strict=True) for pair in
                  _chat_examples(documents, spec, tokenizer, seq_len, chat_renderer, chat_statistics)]
         pairs = grain.MapDataset.source(pairs).shuffle(_derived_seed(seed, "shuffle", "pairs")).repeat()
         return _BatchDataset(_pair_batches(pairs.to_iter_dataset(_READ_OPTIONS), batch_size)).__iter__()
+    if schedule is not None:
+        return _BatchIterator(_scheduled_batches(sources, shards, schedule, tokenizer, seq_len, batch_size,
+                                                 seed, chat_renderer, chat_statistics))
     per_source = [
         _chat_rows(documents, spec, tokenizer, seq_len, batch_size, seed, index,
                    chat_renderer, chat_statistics)
