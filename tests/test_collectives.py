@@ -158,6 +158,9 @@ def test_dot_flops_count_loop_iterations():
 # --- real programs on 8 simulated devices (one subprocess) --------------------------------------
 
 
+MESH_RESULTS = pytest.mark.xdist_group("collectives_mesh")  # one worker runs the subprocess once
+
+
 @pytest.fixture(scope="module")
 def mesh_results():
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -168,6 +171,7 @@ def mesh_results():
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@MESH_RESULTS
 def test_compiled_collectives_match_the_ring_formulas(mesh_results):
     kinds = mesh_results["collectives"]
     size = 64 * 32 * 4  # f32[64, 32] per device
@@ -178,6 +182,7 @@ def test_compiled_collectives_match_the_ring_formulas(mesh_results):
     assert kinds["collective-permute"] == {"bytes": 3 * size, "count": 3}
 
 
+@MESH_RESULTS
 def test_bf16_gradient_reduction_halves_the_bytes(mesh_results):
     f32, bf16 = mesh_results["step"][""], mesh_results["step"]["bfloat16"]
     params, unused = mesh_results["params"], mesh_results["unused_params"]
@@ -191,6 +196,7 @@ def test_bf16_gradient_reduction_halves_the_bytes(mesh_results):
     assert bf16["all_reduce"].get("f32", 0) < 100
 
 
+@MESH_RESULTS
 def test_bf16_gradient_reduction_stays_close(mesh_results):
     f32, bf16 = mesh_results["step"][""], mesh_results["step"]["bfloat16"]
     # Two microbatches of 8 full rows: their mean loss is the mean over the 16 rows.
@@ -207,6 +213,7 @@ def test_grad_reduce_dtype_is_validated():
         TrainSettings(grad_reduce_dtype="float16").validate()
 
 
+@MESH_RESULTS
 def test_replicas_that_cannot_be_vmapped_are_refused(mesh_results):
     assert "attention_impl=pallas" in mesh_results["refused"]
 
