@@ -43,15 +43,7 @@ def get_config(doc_glob: str = "") -> ml_collections.ConfigDict:
         max_line_length=1000,
         min_alphanumeric_fraction=0.25,
         marker_lines=20,
-        generated_markers=(
-            r"auto-?generated",
-            r"automatically generated",
-            r"do not edit",
-            r"@generated",
-            r"\b(file|code|module) (is|was) generated",
-            r"^\W*generated (by|from)\b",
-            r"generated (by|from|with) .{0,80}\b\w+\.(py|pl|sh|rb|js)\b",
-        ),
+        # generated_markers: the defaults of glm5_jax/data/prepare/config.py (regular expressions)
     )
     config.quality = dict(
         model_path="~/.cache/glm5_jax/quality-demo.npz",  # trained on first use (or: quality train)
