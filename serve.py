@@ -213,9 +213,9 @@ def mesh_shardings(text: str, placed: dict, config, params=None):
 
     if "mesh" not in placed:
         spec = MeshSpec.parse(text)
-        if spec.pipeline != 1 or spec.fsdp != 1:
+        if spec.pipeline != 1 or spec.fsdp != 1 or spec.context != 1:
             raise MeshError(f"--mesh {text}: serving splits over tensor, expert and data only "
-                            "(no pipeline or fsdp axis)")
+                            "(no pipeline, fsdp or context axis)")
         placed["mesh"] = make_mesh(spec, config)
     return serving_param_shardings(config, placed["mesh"], params)
 

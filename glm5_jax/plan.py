@@ -4,6 +4,8 @@ fake CPU devices on abstract inputs (nothing is allocated) and report per-device
 
     python -m glm5_jax.plan --config configs/glm5.py --mesh fsdp=16,expert=16 --devices 256 \\
         --batch 256 --seq_len 4096
+    python -m glm5_jax.plan --config configs/glm5.py --mesh fsdp=4,context=8,expert=4,tensor=4 \\
+        --devices 512 --batch 16 --seq_len 131072     # context parallelism: sequences split 8 ways
     python -m glm5_jax.plan --config configs/glm5.py --mesh expert=16,tensor=2 --devices 32 \\
         --serve --batch 64 --context 32768
 
@@ -291,10 +293,14 @@ def _plan_train(args, config, options, mesh, rules, settings_overrides):
         compiled, hlo = collectives.compile_partitioned(step.jitted.trace(state_in, batch).lower())
     params_bytes = sharding.bytes_per_device(abstract_state.params, state_sharding.params)
     opt_bytes = sharding.bytes_per_device(abstract_state.opt_state, state_sharding.opt_state)
+    context = mesh.shape.get("context", 1)
     lines = [f"train step: batch {batch_rows} x {args.seq_len} tokens "
              f"({batch_rows * args.seq_len / mesh.size:,.0f} tokens per device on average), "
              f"{settings.grad_accum_steps} microbatch(es), gradients reduced by "
              f"{settings.grad_reduce_dtype or 'XLA where computed'}"]
+    if context > 1:
+        lines.append(f"context parallelism: each sequence split over context={context}, "
+                     f"{args.seq_len // context:,} positions per device")
     grad_bytes = params_bytes / options.weight_dtype(0).itemsize * 4  # accumulated in float32
     lines += _memory_lines(compiled, {"params": params_bytes, "optimizer state": opt_bytes,
                                       "gradients (f32, same sharding)": grad_bytes})

@@ -93,7 +93,8 @@ def test_sharded_train_step_keeps_shardings_and_matches(results):
 
 
 def test_mesh_sizes_fill_and_validate():
-    assert MeshSpec.parse("expert=4").sizes(8) == dict(pipeline=1, data=2, fsdp=1, expert=4, tensor=1)
+    assert MeshSpec.parse("expert=4").sizes(8) == dict(pipeline=1, data=2, fsdp=1, context=1, expert=4,
+                                                      tensor=1)
     assert MeshSpec.parse("data=2,fsdp=-1,tensor=2").sizes(16)["fsdp"] == 4
     with pytest.raises(MeshError, match="multiply to 6 .* 8 devices"):
         MeshSpec.parse("data=3,tensor=2").sizes(8)

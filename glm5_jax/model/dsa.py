@@ -10,6 +10,7 @@ kernels_pallas/.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -17,6 +18,8 @@ import jax.numpy as jnp
 
 from glm5_jax.model import kernel_calls
 from glm5_jax.model.layers import apply_rope, declare_weight, layer_norm, normal_init
+from glm5_jax.parallel import constrain
+from glm5_jax.parallel.local import run_local
 
 NEG_INF = float("-inf")
 
@@ -36,16 +39,36 @@ class IndexerSpec:
     impl: str = "reference"
 
 
-def base_mask(positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Causal AND same-document mask. positions, segment_ids: [B, T] -> bool [B, T, S=T]."""
-    causal = positions[:, :, None] >= positions[:, None, :]
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+def base_mask(positions: jax.Array, segment_ids: jax.Array, key_positions: jax.Array | None = None,
+              key_segment_ids: jax.Array | None = None) -> jax.Array:
+    """Causal AND same-document mask. positions, segment_ids: [B, T] the queries'; key_positions,
+    key_segment_ids: [B, S] the keys' (default: the queries', S = T). Returns bool [B, T, S]."""
+    key_positions = positions if key_positions is None else key_positions
+    key_segment_ids = segment_ids if key_segment_ids is None else key_segment_ids
+    causal = positions[:, :, None] >= key_positions[:, None, :]
+    same_doc = segment_ids[:, :, None] == key_segment_ids[:, None, :]
     return causal & same_doc
 
 
-def sliding_window_mask(positions: jax.Array, window: int) -> jax.Array:
-    """Keys within the last `window` positions (the query included). [B, T] -> bool [B, T, S]."""
-    return positions[:, :, None] - positions[:, None, :] < window
+def sliding_window_mask(positions: jax.Array, window: int,
+                        key_positions: jax.Array | None = None) -> jax.Array:
+    """Keys within the last `window` positions (the query included). positions: [B, T];
+    key_positions: [B, S] (default: positions). Returns bool [B, T, S]."""
+    key_positions = positions if key_positions is None else key_positions
+    return positions[:, :, None] - key_positions[:, None, :] < window
+
+
+def whole_sequence(x: jax.Array) -> jax.Array:
+    """Context parallelism: every device gets all positions of `x` ([B, S, ...]: keys, their
+    positions), all-gathered over the mesh axes of the `length` rule; rows stay split over the
+    batch axes and other axes are whole. No-op without a mesh."""
+    return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
+def query_slice(x: jax.Array) -> jax.Array:
+    """Context parallelism: x [B, T, ...] (scores, masks, selections) keeps each device's own
+    queries (`length` split), the trailing axes whole. No-op without a mesh."""
+    return constrain(x, ("batch", "length") + (None,) * (x.ndim - 2))
 
 
 def selection_mask(topk_indices: jax.Array, num_keys: int) -> jax.Array:
@@ -62,7 +85,9 @@ def indexer_queries(q_latent, cos, sin, wq_b, rope_dim: int) -> jax.Array:
 
 
 def indexer_keys(x, cos, sin, wk, k_norm_scale, k_norm_bias, rope_dim: int, eps: float) -> jax.Array:
-    """x: [B, S, D]; wk: [D, H] -> rotated, layer-normed indexer keys [B, S, H] (what a cache keeps)."""
+    """x: [B, S, D]; wk: [D, H] -> rotated, layer-normed indexer keys [B, S, H] (what a cache keeps).
+    Under context parallelism each device computes its own positions' keys; callers gather them
+    (`whole_sequence`)."""
     k = layer_norm(jnp.einsum("BSD,DH->BSH", x, wk.astype(x.dtype)), k_norm_scale, k_norm_bias, eps)
     return jnp.concatenate([apply_rope(k[..., :rope_dim], cos, sin), k[..., rope_dim:]], axis=-1)
 
@@ -94,11 +119,12 @@ def indexer_scores(x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.A
 
     x: [B, T, D] attention input; q_latent: [B, T, R] normalised query latent;
     cos, sin: [B, T, rope_dim/2]; wq_b: [R, M, H]; wk: [D, H]; k_norm_*: [H];
-    weights_proj: [D, M]. Returns [B, T, S=T].
+    weights_proj: [D, M]. Returns [B, T, S=T]: under context parallelism each device's queries
+    against the whole sequence's keys (gathered), so top-k sees the full causal prefix.
     """
     queries = indexer_queries(q_latent, cos, sin, wq_b, rope_dim)
-    keys = indexer_keys(x, cos, sin, wk, k_norm_scale, k_norm_bias, rope_dim, norm_eps)
-    return combine_index_scores(x, queries, keys, weights_proj)
+    keys = whole_sequence(indexer_keys(x, cos, sin, wk, k_norm_scale, k_norm_bias, rope_dim, norm_eps))
+    return query_slice(combine_index_scores(x, queries, keys, weights_proj))
 
 
 def select_topk(scores: jax.Array, allowed: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
@@ -120,6 +146,24 @@ def select_topk(scores: jax.Array, allowed: jax.Array, topk: int) -> tuple[jax.A
         indices = jax.lax.top_k(masked, k)[1]
         gap = jnp.full(scores.shape[:2], jnp.inf, jnp.float32)
     return jax.lax.stop_gradient(indices.astype(jnp.int32)), jax.lax.stop_gradient(gap)
+
+
+_QUERY_ROWS = ("batch", "length", None)  # [B, T, S] or [B, T, K]: each device's own queries
+
+
+def select_topk_local(scores: jax.Array, allowed: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
+    """`select_topk` per device on its own rows and queries (run_local). Under a mesh XLA's SPMD
+    partitioner would all-gather a top_k operand split along an axis other than the sorted one
+    (here the [B, T, S] scores, split over the batch axes and `context`). Same shapes."""
+    return run_local(functools.partial(select_topk, topk=topk), (scores, allowed),
+                     (_QUERY_ROWS, _QUERY_ROWS), (_QUERY_ROWS, ("batch", "length")))
+
+
+def selection_mask_local(topk_indices: jax.Array, num_keys: int) -> jax.Array:
+    """`selection_mask` per device on its own rows and queries (run_local: XLA would all-gather
+    the scatter's indices over the split query axis). [B, T, K] -> bool [B, T, S]."""
+    return run_local(functools.partial(selection_mask, num_keys=num_keys), (topk_indices,),
+                     (_QUERY_ROWS,), _QUERY_ROWS)
 
 
 def fused_indexer_topk(x, q_latent, cos, sin, wq_b, wk, k_norm_scale, k_norm_bias, weights_proj,
@@ -178,7 +222,7 @@ class Indexer(nn.Module):
                 jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), cos, sin, wq_b, wk,
                 k_norm_scale, k_norm_bias, weights_proj, rope_dim=spec.qk_rope_head_dim,
                 norm_eps=spec.index_norm_eps)
-            selected = select_topk(scores, allowed, spec.index_topk)
+            selected = select_topk_local(scores, allowed, spec.index_topk)
             return (*selected, scores) if with_scores else selected
 
         def reuse_previous():

@@ -4,6 +4,11 @@ stay optional for the reference path) and run per device on its own shard under 
 
 Single-letter axes as in the model: B batch, T queries, S keys, N heads, H head dim, R latent
 rank, K selected keys / experts per token, D hidden.
+
+Under context parallelism (`length` split over the mesh's `context` axis) a kernel gets its
+device's queries and the whole sequence's keys: query-side operands are split over `length`,
+key-side ones (latent, rope key, indexer keys, and the positions and segment ids read as keys')
+are whole, so shard_map all-gathers them (and, in the backward, sums their gradients).
 """
 
 from __future__ import annotations
@@ -12,11 +17,15 @@ import functools
 
 import jax
 
-from glm5_jax.parallel.local import run_local
+from glm5_jax.parallel.local import Merged, run_local
 
-_ROWS = ("batch", None)  # [B, T] positions and segment ids
-_HEADS = ("batch", None, "heads", None)  # [B, T, N, H]
+_ROWS = ("batch", "length")  # [B, T] the queries' positions and segment ids
+_KEY_ROWS = ("batch", None)  # [B, S] the keys' positions and segment ids (the same arrays, whole)
+_HEADS = ("batch", "length", "heads", None)  # [B, T, N, H] queries
+_KEY_HEADS = ("batch", None, "heads", None)  # [B, S, N, H] per-head keys and values
 _KEYS = ("batch", None, None)  # [B, S, R]: shared by all heads
+_QUERY_ROWS = ("batch", "length", None)  # [B, T, K] per-query selections and weights
+_TOKENS = (Merged(("batch", "length")), None)  # [B*T, ...] flattened tokens: rows split like [B, T]
 
 
 def indexer_topk(queries, keys, head_weights, positions, segment_ids, topk: int):
@@ -27,8 +36,9 @@ def indexer_topk(queries, keys, head_weights, positions, segment_ids, topk: int)
 
     return run_local(functools.partial(kernel, topk=topk),
                      (queries, keys, head_weights, positions, positions, segment_ids, segment_ids),
-                     (("batch", None, None, None), _KEYS, _KEYS, _ROWS, _ROWS, _ROWS, _ROWS),
-                     (_KEYS, _ROWS))
+                     (("batch", "length", None, None), _KEYS, _QUERY_ROWS, _ROWS, _KEY_ROWS, _ROWS,
+                      _KEY_ROWS),
+                     (_QUERY_ROWS, _ROWS))
 
 
 def sparse_attention(q_absorbed, q_rope, latent, k_rope, indices, positions, segment_ids, scale: float):
@@ -40,7 +50,8 @@ def sparse_attention(q_absorbed, q_rope, latent, k_rope, indices, positions, seg
     return run_local(functools.partial(kernel, scale=scale),
                      (q_absorbed, q_rope, latent, k_rope, indices, positions, positions, segment_ids,
                       segment_ids),
-                     (_HEADS, _HEADS, _KEYS, _KEYS, _KEYS, _ROWS, _ROWS, _ROWS, _ROWS), _HEADS)
+                     (_HEADS, _HEADS, _KEYS, _KEYS, _QUERY_ROWS, _ROWS, _KEY_ROWS, _ROWS, _KEY_ROWS),
+                     _HEADS)
 
 
 def flash_attention(query, key, value, positions, segment_ids, sliding_window: int):
@@ -50,7 +61,7 @@ def flash_attention(query, key, value, positions, segment_ids, sliding_window: i
 
     return run_local(functools.partial(kernel, sliding_window=sliding_window),
                      (query, key, value, positions, positions, segment_ids, segment_ids),
-                     (_HEADS, _HEADS, _HEADS, _ROWS, _ROWS, _ROWS, _ROWS), _HEADS)
+                     (_HEADS, _KEY_HEADS, _KEY_HEADS, _ROWS, _KEY_ROWS, _ROWS, _KEY_ROWS), _HEADS)
 
 
 def routed_experts(tokens: jax.Array, weights, experts, gate_proj, up_proj, down_proj) -> jax.Array:
@@ -63,7 +74,8 @@ def routed_experts(tokens: jax.Array, weights, experts, gate_proj, up_proj, down
 
 
 def routed_experts_local(tokens: jax.Array, weights, experts, gate_proj, up_proj, down_proj) -> jax.Array:
-    """`routed_experts` per device on its own tokens (rows split over the batch axes), experts whole."""
+    """`routed_experts` per device on its own tokens (rows split over the batch axes and `context`),
+    experts whole."""
     whole = (None, None, None)
     return run_local(routed_experts, (tokens, weights, experts, gate_proj, up_proj, down_proj),
-                     (_ROWS, _ROWS, _ROWS, whole, whole, whole), _ROWS)
+                     (_TOKENS, _TOKENS, _TOKENS, whole, whole, whole), _TOKENS)

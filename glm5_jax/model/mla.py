@@ -6,6 +6,12 @@ KV path:    c = u Wkva; latent = RMS(c[:kv_lora_rank]); k_rope = c[kv_lora_rank:
 Scores Q.K / sqrt(qk_head_dim), softmax in float32 over the allowed keys, o = P V, out = o Wo.
 With attention_impl="pallas" the same attention runs through kernels_pallas (gathered top-k
 attention in the absorbed form on DSA layers, flash attention on sliding-window layers).
+
+Context parallelism (a mesh `context` axis; the `length` rule): each device holds a slice of the
+sequence. Queries, masks, scores and outputs keep that slice; the keys' side is all-gathered
+where it is smallest: the per-token latent and rope key (kv_lora_rank + rope = 576 values for
+GLM-5) and the indexer keys (index_head_dim), expanded into per-head keys and values locally.
+Positions are the batch's global ones, so RoPE and the causal mask need nothing else.
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ from glm5_jax.model.dsa import (
     Indexer,
     IndexerSpec,
     base_mask,
-    selection_mask,
+    query_slice,
+    selection_mask_local,
     sliding_window_mask,
+    whole_sequence,
 )
 from glm5_jax.model.dsa_training import attention_target, indexer_kl
 from glm5_jax.model.layers import apply_rope, declare_weight, normal_init, rms_norm, rope_angles
-from glm5_jax.parallel import constrain
+from glm5_jax.parallel import constrain, shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +187,10 @@ class MLAttention(nn.Module):
         """
         spec = self.spec
         dtype = x.dtype
+        if x.shape[1] % shards("length") and not self.is_initializing():  # (init traces 2 positions)
+            raise ValueError(f"context parallelism: the sequence length {x.shape[1]} does not split "
+                             f"evenly over the {shards('length')} devices of the `length` axis "
+                             "(mesh axis `context`)")
         init = normal_init(spec.initializer_range)
         weight = lambda name, shape, axes, **kw: declare_weight(  # noqa: E731
             self, name, shape, axes, self.param_dtype, kw.get("init", init)).astype(dtype)
@@ -202,9 +214,13 @@ class MLAttention(nn.Module):
         cos, sin = rope_angles(positions, spec.qk_rope_head_dim, spec.rope_theta)
         q_rope = apply_rope(q_rope, cos, sin)
         k_rope = apply_rope(k_rope, cos, sin)
+        # Context parallelism: the keys' side whole on every device (see the module docstring).
+        latent, k_rope = whole_sequence(latent), whole_sequence(k_rope)
+        key_positions, key_segment_ids = whole_sequence(positions), whole_sequence(segment_ids)
         indexer = Indexer(spec.indexer, self.param_dtype, name="indexer")
         if spec.attention_impl == "pallas":  # no dense [B, T, S] mask unless the indexer needs one
-            allowed = None if spec.indexer.impl == "pallas" else base_mask(positions, segment_ids)
+            allowed = (None if spec.indexer.impl == "pallas"
+                       else query_slice(base_mask(positions, segment_ids, key_positions, key_segment_ids)))
             indices, gap = indexer(x, q_latent, cos, sin, allowed, kinds.run_indexer, previous_indices,
                                    positions, segment_ids)
             out = pallas_attention(spec, constrain(q_nope, ("batch", "length", "heads", "head_dim")),
@@ -215,21 +231,22 @@ class MLAttention(nn.Module):
                           ("batch", "length", "heads", "head_dim"))
         key, value = expand_latent(latent, k_rope, kv_b_proj, spec.qk_nope_head_dim)
 
-        # Which keys each query may see.
-        causal = base_mask(positions, segment_ids)  # [B, T, S]
+        # Which keys each query may see: [B, T, S], this device's queries against every key.
+        causal = query_slice(base_mask(positions, segment_ids, key_positions, key_segment_ids))
         training_dsa = spec.dsa_stage != "off"
         indices, gap, *scores = indexer(x, q_latent, cos, sin, causal, kinds.run_indexer, previous_indices,
                                         positions, segment_ids, with_scores=training_dsa)
-        top_k = causal & selection_mask(indices, causal.shape[-1])
+        top_k = causal & selection_mask_local(indices, causal.shape[-1])
         # The dense warm-up attends to every causal key; otherwise DSA layers attend to the top-k.
         dsa_allowed = causal if spec.dsa_stage == "dense_warmup" else top_k
         if spec.sliding_window > 0 and kinds.sliding is not False:
-            window_allowed = causal & sliding_window_mask(positions, spec.sliding_window)
+            window_allowed = causal & sliding_window_mask(positions, spec.sliding_window, key_positions)
             allowed = jnp.where(kinds.sliding, window_allowed, dsa_allowed)
         else:
             allowed = dsa_allowed
 
-        probs = attention_probs(query, key, allowed)  # [B, N, T, S]
+        probs = constrain(attention_probs(query, key, allowed),
+                          ("batch", "heads", "length", None))  # [B, N, T, S]
         if training_dsa:
             self._sow_indexer_kl(probs, scores[0], dsa_allowed, top_k, kinds)
         out = attend_with(probs, value)  # [B, T, N, Hv]

@@ -249,9 +249,14 @@ class Transformer(nn.Module):
                             preferred_element_type=jnp.float32)
         outputs = {"logits": logits, "hidden": hidden}
         if with_mtp and config.num_mtp_layers:
-            next_embeddings = constrain(table[input_ids[:, 1:]], ("batch", "length", "embed"))
+            # On all T positions, so the MTP layer's length splits over `context` like the others'
+            # (T - 1 would not): the last position reads a stand-in next token (the first, rolled
+            # round) and its logits are dropped. Causal attention keeps it out of the other
+            # positions; it only adds one routed token per row to the MTP layer's expert load and
+            # balance loss.
+            next_embeddings = constrain(table[jnp.roll(input_ids, -1, axis=1)], ("batch", "length", "embed"))
             outputs["mtp_logits"] = MTPHead(config, options, name="mtp")(
-                hidden[:, :-1], next_embeddings, positions[:, :-1], segment_ids[:, :-1], lm_head)
+                hidden, next_embeddings, positions, segment_ids, lm_head)[:, :-1]
         return outputs
 
 

@@ -4,8 +4,9 @@ The model annotates weights with these names and calls `constrain` on activation
 axis each name maps to is decided outside the model (a rules table), so the math never mentions
 devices. With no rules in context `constrain` is a no-op.
 
-    logical.py   AXIS_NAMES and constrain
-    mesh.py      MeshSpec, make_mesh, initialize_distributed (the mesh from the config)
+    logical.py   AXIS_NAMES, constrain, shards (how many ways the rules split a logical axis)
+    mesh.py      MeshSpec, make_mesh, initialize_distributed (the mesh from the config; the
+                 `context` axis splits sequences: context parallelism, model/mla.py)
     sharding.py  DEFAULT_RULES, param/optimizer/batch shardings, activate(mesh, rules)
     expert.py    expert parallelism: shard_map + all_to_all (or ragged_all_to_all) dispatch
     pipeline.py  GPipe pipeline over the `pipeline` axis (ppermute inside shard_map)
@@ -14,6 +15,6 @@ devices. With no rules in context `constrain` is a no-op.
 Only logical.py is imported here (the model imports it; the rest imports the model).
 """
 
-from glm5_jax.parallel.logical import AXIS_NAMES, constrain
+from glm5_jax.parallel.logical import AXIS_NAMES, constrain, shards
 
-__all__ = ["AXIS_NAMES", "constrain"]
+__all__ = ["AXIS_NAMES", "constrain", "shards"]

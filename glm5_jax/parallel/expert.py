@@ -40,13 +40,16 @@ def expert_mesh():
     return mesh
 
 
-def _batch_axes(mesh) -> tuple[str, ...]:
-    """Mesh axes the token dimension is split over (the `batch` logical rule), minus manual axes."""
-    axes = nn.logical_to_mesh_axes(("batch",))[0]
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+def _token_axes(mesh) -> tuple[str, ...]:
+    """Mesh axes the token dimension [B*T] is split over, minus manual axes: the `batch` rule's,
+    then the `length` rule's (context parallelism: [B, T] flattened keeps its split)."""
     manual = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
               if kind == jax.sharding.AxisType.Manual}
-    return tuple(a for a in axes if a in mesh.axis_names and a not in manual)
+    axes = []
+    for entry in nn.logical_to_mesh_axes(("batch", "length")):
+        axes += [a for a in ((entry,) if isinstance(entry, str) else tuple(entry or ()))
+                 if a in mesh.axis_names and a not in manual]
+    return tuple(axes)
 
 
 def capacity(tokens_local: int, top_k: int, shards: int, capacity_factor: float) -> int:
@@ -169,16 +172,17 @@ def routed_experts_sharded(x, weights, experts, gate_proj, up_proj, down_proj, *
                            capacity_factor: float = 0.0, dispatch: str = "all_to_all"):
     """Expert-parallel routed experts over `mesh` (see the module docstring).
 
-    x: [T, D] (T split over the batch axes); weights, experts: [T, K]; gate/up: [E, D, F];
+    x: [T, D] (T split over the batch axes and `context`); weights, experts: [T, K]; gate/up: [E, D, F];
     down: [E, F, D]. Returns (y [T, D], dropped token copies summed over devices).
     """
     shards = mesh.shape[EXPERT_AXIS]
     tensor_split = TENSOR_AXIS in mesh.axis_names and mesh.shape[TENSOR_AXIS] > 1
-    tokens = P(_batch_axes(mesh))
+    token_axes = _token_axes(mesh)
+    tokens = P(token_axes)
     tensor = TENSOR_AXIS if tensor_split else None
     in_specs = (tokens, tokens, tokens, P(EXPERT_AXIS, None, tensor), P(EXPERT_AXIS, None, tensor),
                 P(EXPERT_AXIS, tensor, None))
-    if EXPERT_AXIS not in _batch_axes(mesh):
+    if EXPERT_AXIS not in token_axes:
         body = _dispatch_replicated
     else:
         body = {"all_to_all": _dispatch_all_to_all, "ragged_all_to_all": _dispatch_ragged}[dispatch]
@@ -189,7 +193,7 @@ def routed_experts_sharded(x, weights, experts, gate_proj, up_proj, down_proj, *
 
     def counted(*args):
         y, dropped = body(*args)
-        return y, jax.lax.psum(dropped, _batch_axes(mesh))  # tokens are distinct along these only
+        return y, jax.lax.psum(dropped, token_axes)  # tokens are distinct along these only
 
     sharded = jax.shard_map(counted, mesh=mesh, in_specs=in_specs, out_specs=(tokens, P()),
                             axis_names=free_axes, check_vma=False)

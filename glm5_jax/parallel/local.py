@@ -8,25 +8,54 @@ device runs the kernel on its local slice. Without a mesh in context it just cal
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec as P
 
-LogicalAxes = Sequence[str | None]
+
+class Merged(tuple):
+    """An axis that flattens several logical axes and is split like them, in order: tokens
+    [B*T] from [B, T] are Merged(("batch", "length"))."""
 
 
-def _mesh_spec(mesh, axes: LogicalAxes) -> P:
-    """Logical axes -> a PartitionSpec over the mesh's non-manual axes of size > 1."""
+# One entry per array axis: a logical name, None (whole), or Merged logical names.
+LogicalAxes = Sequence[str | Merged | None]
+
+
+def _names(entry) -> tuple:
+    return tuple(entry) if isinstance(entry, Merged) else (entry,)
+
+
+def _mesh_spec(mesh, axes: LogicalAxes, whole=frozenset()) -> P:
+    """Logical axes -> a PartitionSpec over the mesh's non-manual axes of size > 1; the logical
+    entries in `whole` stay unsplit."""
     usable = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
               if kind != jax.sharding.AxisType.Manual and mesh.shape[name] > 1}
+    mapped = iter(nn.logical_to_mesh_axes(tuple(name for entry in axes for name in _names(entry))))
     entries = []
-    for entry in nn.logical_to_mesh_axes(tuple(axes)):
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        names = tuple(name for name in names if name in usable)
+    for entry in axes:
+        names = ()
+        for _ in _names(entry):
+            target = next(mapped)
+            names += (target,) if isinstance(target, str) else tuple(target or ())
+        names = () if entry in whole else tuple(name for name in names if name in usable)
         entries.append(names if len(names) > 1 else (names[0] if names else None))
     return P(*entries)
+
+
+def _undivided(mesh, args, in_axes) -> frozenset:
+    """Logical entries some argument's axis is too short to split as the rules ask (a pipeline
+    microbatch of one row over several batch devices): those stay whole everywhere."""
+    whole = set()
+    for x, axes in zip(args, in_axes, strict=True):
+        for size, entry, split in zip(x.shape, axes, _mesh_spec(mesh, axes), strict=True):
+            names = (split,) if isinstance(split, str) else tuple(split or ())
+            if size % math.prod(mesh.shape[name] for name in names):
+                whole.add(entry)
+    return frozenset(whole)
 
 
 def _used_axes(spec: P) -> set[str]:
@@ -39,16 +68,23 @@ def _used_axes(spec: P) -> set[str]:
 def run_local(fn: Callable, args: Sequence, in_axes: Sequence[LogicalAxes], out_axes):
     """fn(*args) with each argument split by its logical axes (in_axes, one tuple per argument)
     and the result (out_axes: a logical-axes tuple, or a tuple of them for several outputs)
-    assembled the same way. Axes not named stay whole on every device."""
+    assembled the same way. Axes not named, and logical axes some argument cannot split evenly,
+    stay whole on every device."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return fn(*args)
-    in_specs = tuple(_mesh_spec(mesh, axes) for axes in in_axes)
-    several = bool(out_axes) and not isinstance(out_axes[0], str | type(None))
-    out_specs = (tuple(_mesh_spec(mesh, axes) for axes in out_axes) if several
-                 else _mesh_spec(mesh, out_axes))
+    whole = _undivided(mesh, args, in_axes)
+    in_specs = tuple(_mesh_spec(mesh, axes, whole) for axes in in_axes)
+    several = bool(out_axes) and not isinstance(out_axes[0], str | Merged | type(None))
+    out_specs = (tuple(_mesh_spec(mesh, axes, whole) for axes in out_axes) if several
+                 else _mesh_spec(mesh, out_axes, whole))
     used = set().union(*(_used_axes(spec) for spec in in_specs))
     if not used:
         return fn(*args)
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=used,
+    # Every free axis manual (not only the split ones): the call then also lowers under
+    # jax.vmap(spmd_axis_name=...) (train/step.py's per-replica gradients), and a kernel is never
+    # auto-partitioned along an axis it does not split (a pallas_call cannot be on a GPU or TPU).
+    free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if kind != jax.sharding.AxisType.Manual}
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=free,
                          check_vma=False)(*args)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 
@@ -28,3 +30,13 @@ AXIS_NAMES = {
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint on an activation by logical axis names (no-op without rules)."""
     return nn.with_logical_constraint(x, axes)
+
+
+def shards(axis: str) -> int:
+    """How many ways the rules and mesh in context split logical `axis` (1 without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    entry = nn.logical_to_mesh_axes((axis,))[0]
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return math.prod(mesh.shape[name] for name in names if name in mesh.axis_names)

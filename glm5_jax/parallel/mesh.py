@@ -1,10 +1,12 @@
-"""The device mesh from the config: named axes pipeline, data, fsdp, expert, tensor.
+"""The device mesh from the config: named axes pipeline, data, fsdp, context, expert, tensor.
 
-    config.mesh = dict(pipeline=1, data=-1, fsdp=1, expert=1, tensor=1)
+    config.mesh = dict(pipeline=1, data=-1, fsdp=1, context=1, expert=1, tensor=1)
 
 Sizes multiply to the device count; one size may be -1 to take what is left. The axis order puts
 `tensor` innermost (the fastest links: NVLink within a node, neighbouring TPU chips) and
-`pipeline` outermost (the least traffic). Multi-host runs call `initialize_distributed()` first:
+`pipeline` outermost (the least traffic). `context` splits each sequence (context parallelism:
+glm5_jax/parallel/sharding.py maps the logical `length` axis to it); it sits inside the batch
+axes and outside `expert` and `tensor`. Multi-host runs call `initialize_distributed()` first:
 JAX's own multi-controller runtime, configured from the standard environment.
 """
 
@@ -20,7 +22,7 @@ import jax
 
 from glm5_jax.model.config import ModelConfig
 
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
+MESH_AXES = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 
 
 class MeshError(ValueError):
@@ -32,6 +34,7 @@ class MeshSpec:
     pipeline: int = 1
     data: int = -1
     fsdp: int = 1
+    context: int = 1
     expert: int = 1
     tensor: int = 1
 

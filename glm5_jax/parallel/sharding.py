@@ -2,12 +2,17 @@
 
 The model names every weight and activation axis logically (glm5_jax.parallel.logical); the
 rules below map those names to mesh axes. A mesh axis is used at most once per array: Flax
-drops a later logical axis whose mesh axis is already taken, so activations [batch, length,
-embed] shard over the batch axes only while weights [embed, ...] shard embed over fsdp.
+takes the rules in table order and skips one whose mesh axes are already taken, so activations
+[batch, length, embed] shard over the batch axes and `context` only, while weights [embed, ...]
+shard embed over fsdp and context.
 
     batch   -> (data, fsdp, expert)   data parallel outside the experts, token owners inside
-    embed, q_lora, kv_lora -> fsdp    FSDP: weights and optimizer state split, gathered per use
-                                      (a weight's first such axis takes fsdp)
+    length  -> context                context parallelism: each device holds a slice of every
+                                      sequence; attention all-gathers the small per-token keys
+                                      (MLA latent + rope key, indexer keys) over it (model/mla.py)
+    embed, q_lora, kv_lora -> (fsdp, context)   FSDP: weights and optimizer state split, gathered
+                                      per use (a weight's first such axis takes them); the context
+                                      devices work on different tokens, so they share the split
     heads, index_heads, mlp, vocab -> tensor   (Megatron-style tensor parallelism)
     experts -> expert                 expert parallelism (shard_map + all_to_all in the MoE)
     layers  -> pipeline               each pipeline stage stores its own layers
@@ -34,18 +39,18 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp", "expert")),
-    ("length", None),
+    ("length", "context"),
     ("layers", "pipeline"),
     ("prefix_layers", None),
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "context")),
     ("embed_concat", None),
     ("heads", "tensor"),
     ("index_heads", "tensor"),
     ("mlp", "tensor"),
     ("experts", "expert"),
-    ("q_lora", "fsdp"),
-    ("kv_lora", "fsdp"),
+    ("q_lora", ("fsdp", "context")),
+    ("kv_lora", ("fsdp", "context")),
     ("head_dim", None),
     ("norm", None),
 )
@@ -74,7 +79,7 @@ def make_rules(overrides: Mapping[str, str | Sequence[str] | None] | None = None
 # Serving: a step's tokens (a few decode rows, prefill chunks: counts no mesh axis divides) stay
 # whole on every device, while the weights split as in training (heads, mlp, vocab over tensor;
 # experts over expert).
-SERVING_RULES: Rules = make_rules({"batch": None})
+SERVING_RULES: Rules = make_rules({"batch": None, "length": None})
 
 
 @contextlib.contextmanager
@@ -146,7 +151,7 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params_ab
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
-    """A [B, T] batch field: rows split over the batch axes."""
+    """A [B, T] batch field: rows split over the batch axes, positions over `context`."""
     return logical_sharding(mesh, rules, ("batch", "length"))
 
 
