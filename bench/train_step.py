@@ -1,18 +1,28 @@
 """Training throughput: our jitted train step vs transformers + torch on the same architecture
-and batch (CPU), measured in one run and reported as a ratio.
+and batch (CPU), measured in one run and reported as a ratio and as a fraction of this CPU's
+measured float32 matmul rate.
 
-    python bench/train_step.py [--config configs/demo.py] [--steps 5] [--batch-size 8]
+    python bench/train_step.py [--models demo,moe16] [--steps 5] [--batch-size 8]
 
-Both sides: the demo model without the MTP head (transformers has none), AdamW, float32, the
-same random token batch; the first (compiling / warm-up) step is excluded.
+Models: "demo" is configs/demo.py (seq 256) without the MTP head (transformers has none);
+"moe16" is the issue's larger shape: the demo with 6 layers, 16 experts top-4, a 16,384-token
+vocabulary and seq 512 (26.7M parameters). Both sides: AdamW, float32, the same random token
+batch; the first (compiling / warm-up) step is excluded; each side runs blocks of `--steps` steps
+(one untimed step first), two rounds; the figure is the median step time.
+
+Model FLOPs per step = 3 x (2 x active matmul parameters x tokens + the attention and indexer
+score matmuls as computed: dense over the whole [T, S]), the indexer forward only (it gets no
+gradient). The roofline is the best rate of a 2048^3 float32 matmul measured in this run.
 """
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -28,21 +38,27 @@ from glm5_jax.train.optimizer import make_optimizer  # noqa: E402
 from glm5_jax.train.settings import TrainSettings  # noqa: E402
 from glm5_jax.train.step import init_train_state, make_train_step  # noqa: E402
 
+MODELS = {
+    "demo": ({}, None),
+    "moe16": (dict(num_layers=6, num_experts=16, num_experts_per_token=4, vocab_size=16384), 512),
+}
 
-def time_ours(config, options, settings, batch, steps) -> float:
+
+def ours(config, options, settings):
+    """A step closure for our jitted train step (compiled on its first call)."""
     optimizer = make_optimizer(settings)
-    state = init_train_state(glm5_jax.init_params(config, 0, options=options), optimizer)
+    holder = {"state": init_train_state(glm5_jax.init_params(config, 0, options=options), optimizer)}
     step = make_train_step(config, settings, optimizer, options=options)
-    state, metrics = step(state, batch)
-    float(metrics["loss"])
-    start = time.perf_counter()
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-        float(metrics["loss"])
-    return (time.perf_counter() - start) / steps
+
+    def one_step(batch):
+        holder["state"], metrics = step(holder["state"], batch)
+        return float(metrics["loss"])
+
+    return one_step
 
 
-def time_transformers(config, settings, batch, steps) -> float:
+def transformers_step(config, settings):
+    """A step closure for transformers' model with torch AdamW (eager, sdpa attention)."""
     from transformers import GlmMoeDsaForCausalLM
 
     torch.manual_seed(0)
@@ -50,53 +66,94 @@ def time_transformers(config, settings, batch, steps) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate,
                                   betas=(settings.adam_b1, settings.adam_b2),
                                   weight_decay=settings.weight_decay)
-    ids = torch.as_tensor(batch["input_ids"], dtype=torch.long)
 
-    def one_step():
+    def one_step(batch):
+        ids = torch.as_tensor(batch["input_ids"], dtype=torch.long)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
-    one_step()
+    return one_step
+
+
+def model_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
+    """Matmul FLOPs of one training step (forward + backward), as the docstring defines them."""
+    tokens = batch_size * seq_len
+    pairs = batch_size * seq_len * seq_len
+    attention = 2 * pairs * config.num_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim
+                                                + config.v_head_dim)
+    indexer = 2 * pairs * config.index_num_heads * config.index_head_dim
+    active = glm5_jax.count_params(config)["active"]
+    return 3 * (2 * active * tokens + config.num_layers * attention) + config.num_layers * indexer
+
+
+def matmul_roofline(size: int = 2048, repeats: int = 10) -> float:
+    """Best float32 FLOP/s of one [size, size] x [size, size] jitted matmul on this machine."""
+    a = jnp.ones((size, size), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, a).block_until_ready()
+    best = min(_timed(lambda: matmul(a, a).block_until_ready()) for _ in range(repeats))
+    return 2 * size**3 / best
+
+
+def _timed(fn) -> float:
     start = time.perf_counter()
-    for _ in range(steps):
-        one_step()
-    return (time.perf_counter() - start) / steps
+    fn()
+    return time.perf_counter() - start
+
+
+def compare(name: str, run_config, args, roofline: float) -> list[str]:
+    overrides, seq_len = MODELS[name]
+    seq_len = seq_len or run_config.data.seq_len
+    base = TrainSettings.from_config(run_config)
+    settings = base.__class__(**{**base.__dict__, "batch_size": args.batch_size, "grad_accum_steps": 1})
+    config = ModelConfig.from_dict({**run_config.model.to_dict(), **overrides, "num_mtp_layers": 0})
+    options = ExecutionOptions.from_dict(run_config.get("execution"))
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch_size, seq_len))
+    batch = dict(input_ids=ids.astype(np.int32), segment_ids=np.ones_like(ids, np.int32),
+                 positions=np.broadcast_to(np.arange(seq_len), ids.shape).astype(np.int32))
+    tokens = args.batch_size * seq_len
+    flops = model_flops(config, args.batch_size, seq_len)
+    millions = glm5_jax.count_params(config)["total"] / 1e6
+    print(f"\n{name}: {millions:.1f}M parameters, batch {args.batch_size} x {seq_len}, "
+          f"{flops / 1e9:.1f} GFLOP per step; {options.moe_impl=}, {options.scan_unroll=}", flush=True)
+    steps = {"transformers": transformers_step(config, settings), "glm5_jax": ours(config, options, settings)}
+    times = {label: [] for label in steps}
+    for one_step in steps.values():
+        one_step(batch)  # compile / warm up
+    for _ in range(2):  # two rounds, so a change in machine load hits both sides
+        for label, one_step in steps.items():
+            # A block of steps per side: torch's OpenMP threads spin-wait after each op, so a
+            # step of one side right after the other's would share the cores with them.
+            one_step(batch)
+            times[label] += [_timed(lambda: one_step(batch)) for _ in range(args.steps)]  # noqa: B023
+    reference = statistics.median(times["transformers"])
+    lines = []
+    for label, seconds in times.items():
+        seconds = statistics.median(seconds)
+        lines.append(f"| {name} | {label} | {seconds:.3f} | {tokens / seconds:,.0f} | "
+                     f"{reference / seconds:.2f}x | {flops / seconds / roofline:.0%} |")
+    return lines
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/demo.py", help="training config file")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per implementation")
+    parser.add_argument("--config", default="configs/demo.py", help="training config file (the base model)")
+    parser.add_argument("--models", default="demo,moe16", help=f"comma-separated, from {sorted(MODELS)}")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per block (two blocks per side)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per step")
     args = parser.parse_args()
-
     run_config = load_config_file(args.config)
-    seq_len = run_config.data.seq_len
-    settings = TrainSettings.from_config(run_config).__class__(
-        **{**TrainSettings.from_config(run_config).__dict__, "batch_size": args.batch_size,
-           "grad_accum_steps": 1})
-    base = ModelConfig.from_dict({**run_config.model.to_dict(), "num_mtp_layers": 0})
-    options = ExecutionOptions.from_dict(run_config.get("execution"))
-    ids = np.random.default_rng(0).integers(0, base.vocab_size, (args.batch_size, seq_len))
-    batch = dict(input_ids=ids.astype(np.int32), segment_ids=np.ones_like(ids, np.int32),
-                 positions=np.broadcast_to(np.arange(seq_len), ids.shape).astype(np.int32))
-    tokens = args.batch_size * seq_len
-    millions = glm5_jax.count_params(base)["total"] / 1e6
-    print(f"jax {jax.__version__} / torch {torch.__version__}, {torch.get_num_threads()} torch "
-          f"threads; batch {args.batch_size} x {seq_len}; {millions:.1f}M params")
-    torch_seconds = time_transformers(base, settings, batch, args.steps)
-    print("| implementation | s/step | tokens/s | vs transformers |")
-    print("|---|---|---|---|")
-    print(f"| transformers 5.24 + torch (eager, sdpa) | {torch_seconds:.3f} | "
-          f"{tokens / torch_seconds:,.0f} | 1.00x |")
-    for impl in ("blocked", "dense", "ragged"):
-        seconds = time_ours(base, options.replace(moe_impl=impl), settings, batch, args.steps)
-        print(f"| glm5_jax jit, moe_impl={impl} | {seconds:.3f} | {tokens / seconds:,.0f} | "
-              f"{torch_seconds / seconds:.2f}x |", flush=True)
+    roofline = matmul_roofline()
+    print(f"jax {jax.__version__} / torch {torch.__version__}, {torch.get_num_threads()} torch threads; "
+          f"float32 matmul roofline {roofline / 1e9:.0f} GFLOP/s (2048^3, best of 10)")
+    lines = [line for name in args.models.split(",") for line in compare(name, run_config, args, roofline)]
+    print("\n| model | implementation | s/step (median) | tokens/s | vs transformers | of roofline |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

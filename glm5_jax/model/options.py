@@ -35,6 +35,10 @@ class ExecutionOptions:
     # Gradient checkpointing of each decoder layer: "none", "full" (recompute everything in the
     # backward pass) or "save_matmuls" (keep matmul outputs, recompute the rest).
     remat: str = "none"
+    # Layers per iteration of each scanned layer stack: 1 keeps a loop (compile time flat in
+    # depth); a larger value unrolls that many (all of them when >= the stack's depth), which on
+    # a CPU saves the loop's per-layer slicing and stacking of weights and saved activations.
+    scan_unroll: int = 1
     # Routed-expert computation, all dropless and equal: "ragged" (tokens sorted by expert,
     # lax.ragged_dot: GPU/TPU), "blocked" (sorted rows padded into per-expert blocks, batched
     # matmuls: fast on CPUs), "dense" (every expert on every token, weighted) or "pallas" (the
@@ -105,6 +109,8 @@ class ExecutionOptions:
         require = functools.partial(check_field, self)
         require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}")
         require(self.param_dtype in DTYPES, "param_dtype", f"must be one of {sorted(DTYPES)}")
+        require(isinstance(self.scan_unroll, int) and self.scan_unroll >= 1, "scan_unroll",
+                "must be an integer >= 1")
         require(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}")
         require(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
         for field in ("attention_impl", "indexer_impl", "decode_attention_impl"):

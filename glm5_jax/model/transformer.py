@@ -237,6 +237,7 @@ class Transformer(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, 0, 0),
                 length=len(layers),
+                unroll=min(options.scan_unroll, len(layers)),
                 # Only the MoE stack is pipelined: its layer axis is "layers" (-> pipeline).
                 metadata_params={nn.PARTITION_NAME: "layers" if ffn == "moe" else "prefix_layers"},
             )(config, options, ffn, uniform_run, uniform_sliding, name=name)

@@ -27,6 +27,16 @@ def shifted_targets(input_ids: jax.Array, segment_ids: jax.Array, offset: int,
     return targets.astype(jnp.int32), same_document.astype(jnp.float32)
 
 
+def targets_for(logits: jax.Array, input_ids: jax.Array, segment_ids: jax.Array, offset: int,
+                loss_mask: jax.Array | None = None):
+    """`shifted_targets` padded with zero-weight entries to the logits' length, so the loss reads
+    logits [B, T', V] whole: slicing off their last position costs a copy of the [B, T', V] logits
+    forward and a padded copy of their gradient backward. -> (targets, weights) [B, T']."""
+    targets, weights = shifted_targets(input_ids, segment_ids, offset, loss_mask)
+    missing = ((0, 0), (0, logits.shape[1] - targets.shape[1]))
+    return jnp.pad(targets, missing), jnp.pad(weights, missing)
+
+
 def token_cross_entropy(logits: jax.Array, targets: jax.Array):
     """Per-token cross-entropy and log-partition. logits: [B, T, V] f32; targets: [B, T].
 
@@ -46,8 +56,8 @@ def language_model_losses(outputs, input_ids, segment_ids, *, z_loss_weight: flo
     KL, present when the model ran with a dsa_stage (its gradient reaches the indexer only).
     Returns (loss scalar, metrics dict of scalars, with sums so microbatches add up).
     """
-    targets, weights = shifted_targets(input_ids, segment_ids, 1, loss_mask)
-    nats, log_normalizer = token_cross_entropy(outputs["logits"][:, :-1], targets)
+    targets, weights = targets_for(outputs["logits"], input_ids, segment_ids, 1, loss_mask)
+    nats, log_normalizer = token_cross_entropy(outputs["logits"], targets)
     num_tokens = jnp.maximum(weights.sum(), 1.0)
     cross_entropy = jnp.sum(nats * weights) / num_tokens
     z_loss = jnp.sum(jnp.square(log_normalizer) * weights) / num_tokens
@@ -55,8 +65,8 @@ def language_model_losses(outputs, input_ids, segment_ids, *, z_loss_weight: flo
     metrics = {"cross_entropy": cross_entropy, "z_loss": z_loss, "target_tokens": weights.sum()}
 
     if "mtp_logits" in outputs:
-        mtp_targets, mtp_weights = shifted_targets(input_ids, segment_ids, 2, loss_mask)
-        mtp_nats, _ = token_cross_entropy(outputs["mtp_logits"][:, :-1], mtp_targets)
+        mtp_targets, mtp_weights = targets_for(outputs["mtp_logits"], input_ids, segment_ids, 2, loss_mask)
+        mtp_nats, _ = token_cross_entropy(outputs["mtp_logits"], mtp_targets)
         mtp_loss = jnp.sum(mtp_nats * mtp_weights) / jnp.maximum(mtp_weights.sum(), 1.0)
         loss = loss + mtp_loss_weight * mtp_loss
         metrics["mtp_loss"] = mtp_loss
