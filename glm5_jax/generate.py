@@ -9,7 +9,6 @@ cached path (paged latent cache, one prefill then cached decode steps: linear in
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from absl import logging
 
@@ -17,7 +16,7 @@ from glm5_jax.config_files import add_execution_flags, execution_from_flags
 from glm5_jax.model import ModelConfig
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.runs import checkpoint_options, load_any
-from glm5_jax.serve.engine import Engine
+from glm5_jax.serve.engine import Engine, run_sync
 from glm5_jax.serve.types import SamplingParams
 
 
@@ -41,7 +40,7 @@ def generate_ids(config: ModelConfig, params, prompt_ids: list[int], max_new_tok
         return [event async for event in engine.submit(list(prompt_ids), sampling)]
 
     try:
-        events = asyncio.run(run())
+        events = run_sync(run())  # also inside a running event loop (Jupyter)
     finally:
         engine.shutdown()
     if events[-1].finish_reason not in ("stop", "length"):

@@ -1,13 +1,16 @@
 """python -m glm5_jax.evaluate: pass@k against its closed form, lm-eval's pair encoding and rolling
 windows, the readers' error messages, multiple-choice log-likelihoods equal to `forward`'s on the
-tiny model, the server backend against serve.py's API (fake engine), and a whole suite run on the
-tiny model through the command line producing the JSON, the report and a comparison.
+tiny model, the server backend against serve.py's API (fake engine), a whole suite run on the
+tiny model through the command line producing the JSON, the markdown and HTML reports and a
+comparison, and generation from inside a running event loop (as in Jupyter).
 
 One module fixture holds the tiny model, with its MoE layers made dense: the evaluation code does
 not depend on the architecture, and dense layers compile in about two thirds of the time. Every
 log-likelihood row is [8, 64] (one forward program); the suite run's Engine compiles one
 mixed-step and one decode program (one slot, one chunk geometry)."""
 
+import asyncio
+import base64
 import json
 import math
 from fractions import Fraction
@@ -20,7 +23,7 @@ from reference import random_params
 from tokenizers import decoders, models, pre_tokenizers
 
 import glm5_jax
-from glm5_jax.evaluate import cli, report
+from glm5_jax.evaluate import cli, render, report
 from glm5_jax.evaluate.backend import GenerationRequest, encode_pair, rolling_windows
 from glm5_jax.evaluate.formats import TaskDataError, read_gsm8k_jsonl, read_lm_eval_jsonl, read_mmlu_csv
 from glm5_jax.evaluate.inprocess import InProcessBackend
@@ -253,9 +256,15 @@ def test_suite_run_on_the_tiny_model_writes_json_report_and_comparison(tiny, tmp
     assert {"ttft_p50", "tpot_p90", "tokens_per_s_p99"} <= set(tasks["replay"]["metrics"])
     markdown = (output / "report.md").read_text()
     assert "plots skipped: matplotlib not installed" in markdown and "| replay | ttft_p50 |" in markdown
+    page = (output / "report.html").read_text()  # the same content, as HTML
+    assert page.startswith("<!DOCTYPE html>") and "<p>plots skipped: matplotlib not installed" in page
+    for task in tasks.values():
+        primary = task["metrics"][task["primary"]]
+        value = report.format_value(primary)
+        assert f"<td>{task['name']}</td><td>{task['primary']} (primary)</td><td>{value}</td>" in page
     samples = [json.loads(line) for line in (output / "samples.jsonl").read_text().splitlines()]
     assert {s["task"] for s in samples} == set(tasks)
-    other = dict(document, label="other")
+    other = dict(document, label="other <b>")  # escaped in HTML
     (tmp_path / "other.json").write_text(json.dumps(other))
     assert (
         cli.main(
@@ -270,7 +279,46 @@ def test_suite_run_on_the_tiny_model_writes_json_report_and_comparison(tiny, tmp
         == 0
     )
     table = (tmp_path / "compare" / "compare.md").read_text()
-    assert "| mc | acc | " in table and "other - tiny" in table
+    assert "| mc | acc | " in table and "other <b> - tiny" in table
+    page = (tmp_path / "compare" / "compare.html").read_text()
+    assert "<th>other &lt;b&gt; - tiny</th>" in page and "<b>" not in page
+    acc = report.format_value(tasks["mc"]["metrics"]["acc"])
+    assert f"<tr><td>mc</td><td>acc</td><td>{acc} " in page
+
+
+def test_html_report_embeds_the_plot_and_escapes_text(tmp_path):
+    plot = tmp_path / "scores.png"
+    plot.write_bytes(b"\x89PNG\r\n\x1a\n not really a picture")
+    blocks = [
+        render.Heading(1, "Evaluation of `a<b>`"),
+        render.Table(("task", "notes"), (("mc & co", 'say "hi" | bye'),)),
+        render.Image("scores", plot),
+    ]
+    page = render.to_html(blocks, "a<b>")
+    assert "<title>a&lt;b&gt;</title>" in page and "<h1>Evaluation of <code>a&lt;b&gt;</code></h1>" in page
+    assert "<td>mc &amp; co</td><td>say &quot;hi&quot; | bye</td>" in page
+    assert f'src="data:image/png;base64,{base64.b64encode(plot.read_bytes()).decode()}"' in page
+    markdown = render.to_markdown(blocks)
+    assert '| mc & co | say "hi" \\| bye |' in markdown and "![scores](scores.png)" in markdown
+
+
+def test_in_process_generation_inside_a_running_event_loop(tiny):
+    """A Jupyter cell runs inside an event loop, where asyncio.run refuses to start: generate
+    then runs its loop on a worker thread. The engine is the API tests' fake (nothing compiled)."""
+    config, params, _ = tiny
+    engine = FakeEngine()
+    backend = InProcessBackend(config, params, engine.tokenizer)
+    backend._engine = engine
+    requests = [GenerationRequest(prompt="hello world", max_tokens=4), GenerationRequest(prompt="the quick")]
+
+    async def cell():
+        assert asyncio.get_running_loop()
+        return backend.generate(requests)
+
+    inside, outside = asyncio.run(cell()), backend.generate(requests)
+    assert [r.text for r in inside] == [r.text for r in outside] and inside[0].text
+    assert {r.finish_reason for r in inside} <= {"stop", "length"}
+    backend.close()
 
 
 # ---------------------------------------------------------------- the server backend
@@ -289,12 +337,16 @@ def test_server_backend_scores_generates_and_judges():
         ]
         for (_, continuation), (score, _) in zip(pairs, backend.loglikelihood(pairs), strict=True):
             assert score == pytest.approx(sum(fake_prompt_logprob(t) for t in continuation))
-        results = backend.generate(
-            [
-                GenerationRequest(prompt="hello world", max_tokens=4, temperature=0.0),
-                GenerationRequest(messages=({"role": "user", "content": "hello there"},), max_tokens=40),
-            ]
-        )
+        requests = [
+            GenerationRequest(prompt="hello world", max_tokens=4, temperature=0.0),
+            GenerationRequest(messages=({"role": "user", "content": "hello there"},), max_tokens=40),
+        ]
+        results = backend.generate(requests)
+
+        async def cell():  # as in Jupyter: inside a running event loop
+            return backend.generate(requests)
+
+        assert [r.text for r in asyncio.run(cell())] == [r.text for r in results]
         assert results[0].text == "hello world"[: len(results[0].text)] and results[0].ttft_s is not None
         assert results[1].text == "hello there" and results[1].finish_reason == "stop"
         suite = suite_from_config(

@@ -7,13 +7,18 @@ Two calls cover every task:
   harness's `loglikelihood`);
 - `generate(requests)`: completions of text prompts or chat conversations, with their timings.
 `encode_pair` splits text the way lm-eval does, so scores are comparable with lm_eval's.
+`run_sync` runs the backends' asyncio generation from synchronous code, inside Jupyter too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+from glm5_jax.serve.engine import run_sync  # noqa: F401 (the backends' import)
+
+T = TypeVar("T")
 
 TokenPair = tuple[list[int], list[int]]
 

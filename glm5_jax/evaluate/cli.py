@@ -7,7 +7,8 @@
     python -m glm5_jax.evaluate --server http://127.0.0.1:8000 --suite local
     python -m glm5_jax.evaluate --compare A/results.json B/results.json --output compare/
 
-Writes results.json, samples.jsonl, report.md and scores.png (with matplotlib) to --output.
+Writes results.json, samples.jsonl, report.md, report.html (self-contained: the plot embedded) and
+scores.png (with matplotlib) to --output; --compare writes compare.md, compare.html and compare.png.
 """
 
 from __future__ import annotations

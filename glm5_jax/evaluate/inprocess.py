@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import jinja2
 import numpy as np
 
-from glm5_jax.evaluate.backend import GenerationRequest, GenerationResult, TokenPair
+from glm5_jax.evaluate.backend import GenerationRequest, GenerationResult, TokenPair, run_sync
 from glm5_jax.model import ModelConfig, forward
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.serve.chat import ChatRenderer, load_chat_template, load_special_tokens
@@ -224,7 +224,7 @@ class InProcessBackend:
 
             return await asyncio.gather(*(one(request) for request in requests))
 
-        return asyncio.run(run_all())
+        return run_sync(run_all())  # also inside a running event loop (Jupyter)
 
     def _prompt(self, request: GenerationRequest) -> str:
         if request.prompt is not None:

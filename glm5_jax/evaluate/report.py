@@ -1,5 +1,6 @@
-"""Results of a suite run: the JSON document (schema SCHEMA, docs/evaluation.md), the markdown
-report, the plots (when matplotlib is importable) and the side-by-side comparison of runs.
+"""Results of a suite run: the JSON document (schema SCHEMA, docs/evaluation.md), the report
+(markdown and self-contained HTML, both rendered by render.py from one content), the plots (when
+matplotlib is importable) and the side-by-side comparison of runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from glm5_jax.evaluate import render
 from glm5_jax.evaluate.formats import TaskDataError
 
 SCHEMA = "glm5_jax.evaluate/1"
@@ -133,58 +135,69 @@ def _is_efficiency(name: str) -> bool:
     return name.startswith(EFFICIENCY)
 
 
-def markdown_report(document: dict, plot: str | None) -> str:
+def run_blocks(document: dict, plot: Path | None) -> list[render.Block]:
+    """One run's report: the model and provenance, then per dimension a table of the task
+    metrics (and one of the replay's efficiency), then the plot (None: matplotlib missing)."""
     model = document["model"]
-    lines = [
-        f"# Evaluation: suite `{document['suite']['name']}` on `{document['label']}`",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| model | {model.get('checkpoint') or model.get('server')} |",
-        f"| content sha256 | {model.get('content_hash') or '-'} |",
-        f"| quantization | {model.get('quantize') or 'none'} |",
-        f"| backend | {model['backend'].get('backend')} {model['backend'].get('devices', '')} |",
-        f"| started | {document['started']}, {document['wall_seconds']:.1f} s |",
-        f"| versions | {', '.join(f'{k} {v}' for k, v in document['versions'].items() if k != 'platform')} |",
-        f"| sandbox | {', '.join(k for k, v in document['sandbox'].items() if v) or 'limits only'} |",
-        "",
+    about = [
+        ("model", str(model.get("checkpoint") or model.get("server"))),
+        ("content sha256", model.get("content_hash") or "-"),
+        ("quantization", model.get("quantize") or "none"),
+        ("backend", f"{model['backend'].get('backend')} {model['backend'].get('devices', '')}"),
+        ("started", f"{document['started']}, {document['wall_seconds']:.1f} s"),
+        ("versions", ", ".join(f"{k} {v}" for k, v in document["versions"].items() if k != "platform")),
+        ("sandbox", ", ".join(k for k, v in document["sandbox"].items() if v) or "limits only"),
+    ]
+    blocks = [
+        render.Heading(1, f"Evaluation: suite `{document['suite']['name']}` on `{document['label']}`"),
+        render.Table(("", ""), tuple(about)),
     ]
     for dimension, title in DIMENSION_TITLES.items():
         tasks = [t for t in document["tasks"] if t["dimension"] == dimension]
         if not tasks:
             continue
-        lines += [
-            f"## {title}",
-            "",
-            "| task | metric | value | 95% CI | n | notes |",
-            "|---|---|---|---|---|---|",
-        ]
+        rows = []
         for task in tasks:
             notes = "; ".join(task["notes"])
             for name, metric in task["metrics"].items():
                 if _is_efficiency(name):
                     continue
                 mark = " (primary)" if name == task["primary"] else ""
-                lines.append(
-                    f"| {task['name']} | {name}{mark} | {format_value(metric)} | "
-                    f"{format_interval(metric)} | {metric['count']} | {notes} |"
+                rows.append(
+                    (
+                        task["name"],
+                        name + mark,
+                        format_value(metric),
+                        format_interval(metric),
+                        str(metric["count"]),
+                        notes,
+                    )
                 )
                 notes = ""  # once per task
+        blocks += [
+            render.Heading(2, title),
+            render.Table(("task", "metric", "value", "95% CI", "n", "notes"), tuple(rows)),
+        ]
         efficiency = [(t, n, m) for t in tasks for n, m in t["metrics"].items() if _is_efficiency(n)]
         if efficiency:
-            lines += [
-                "",
-                "Efficiency on the same replay:",
-                "",
-                "| task | metric | value | 95% CI |",
-                "|---|---|---|---|",
+            blocks += [
+                render.Paragraph("Efficiency on the same replay:"),
+                render.Table(
+                    ("task", "metric", "value", "95% CI"),
+                    tuple((t["name"], n, format_value(m), format_interval(m)) for t, n, m in efficiency),
+                ),
             ]
-            lines += [
-                f"| {t['name']} | {n} | {format_value(m)} | {format_interval(m)} |" for t, n, m in efficiency
-            ]
-        lines.append("")
-    lines.append(f"![scores per dimension]({plot})" if plot else NO_MATPLOTLIB)
-    return "\n".join(lines) + "\n"
+    blocks.append(render.Image("scores per dimension", plot) if plot else render.Paragraph(NO_MATPLOTLIB))
+    return blocks
+
+
+def markdown_report(document: dict, plot: Path | None) -> str:
+    return render.to_markdown(run_blocks(document, plot))
+
+
+def html_report(document: dict, plot: Path | None) -> str:
+    """report.md's content as one self-contained HTML page (the plot embedded)."""
+    return render.to_html(run_blocks(document, plot), f"{document['label']}: {document['suite']['name']}")
 
 
 # ---------------------------------------------------------------- plots
@@ -267,12 +280,14 @@ def plot_documents(documents: Sequence[dict], path: Path) -> bool:
 
 # ---------------------------------------------------------------- writing
 def write_run(output: Path, document: dict, results) -> dict[str, Path]:
-    """results.json, samples.jsonl, scores.png (when matplotlib is there) and report.md in `output`."""
+    """results.json, samples.jsonl, scores.png (when matplotlib is there), report.md and
+    report.html in `output`."""
     output.mkdir(parents=True, exist_ok=True)
     paths = {
         "results": output / "results.json",
         "samples": output / "samples.jsonl",
         "report": output / "report.md",
+        "html": output / "report.html",
     }
     paths["results"].write_text(json.dumps(document, indent=2, default=str) + "\n")
     with open(paths["samples"], "w", encoding="utf-8") as handle:
@@ -283,7 +298,8 @@ def write_run(output: Path, document: dict, results) -> dict[str, Path]:
     plotted = plot_documents([document], plot)
     if plotted:
         paths["plot"] = plot
-    paths["report"].write_text(markdown_report(document, plot.name if plotted else None))
+    paths["report"].write_text(markdown_report(document, plot if plotted else None))
+    paths["html"].write_text(html_report(document, plot if plotted else None), encoding="utf-8")
     return paths
 
 
@@ -297,29 +313,27 @@ def read_results(path: str | os.PathLike) -> dict:
     return document
 
 
-def compare_markdown(documents: Sequence[dict], plot: str | None) -> str:
+def compare_blocks(documents: Sequence[dict], plot: Path | None) -> list[render.Block]:
     """A table of every task metric (rows) by run (columns), with the change from the first run;
     a change is marked * when the two 95% intervals do not overlap."""
     labels = [d["label"] for d in documents]
-    header = ["task", "metric"] + labels + [f"{label} - {labels[0]}" for label in labels[1:]]
-    lines = [
-        "# Comparison",
-        "",
-        "| run | model | quantization | suite | wall time |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {d['label']} | {d['model'].get('checkpoint') or d['model'].get('server')} | "
-        f"{d['model'].get('quantize') or 'none'} | {d['suite']['name']} | {d['wall_seconds']:.0f} s |"
+    runs = tuple(
+        (
+            d["label"],
+            str(d["model"].get("checkpoint") or d["model"].get("server")),
+            d["model"].get("quantize") or "none",
+            d["suite"]["name"],
+            f"{d['wall_seconds']:.0f} s",
+        )
         for d in documents
-    ]
-    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    )
     keys = []
     for document in documents:
         for task in document["tasks"]:
             for name in task["metrics"]:
                 if (task["name"], name) not in keys:
                     keys.append((task["name"], name))
+    rows = []
     for task_name, name in keys:
         metrics = [
             {t["name"]: t for t in d["tasks"]}.get(task_name, {}).get("metrics", {}).get(name)
@@ -337,14 +351,25 @@ def compare_markdown(documents: Sequence[dict], plot: str | None) -> str:
             )
             sign = "+" if delta["value"] >= 0 else ""
             cells.append(f"{sign}{format_value(delta)}{' *' if apart else ''}")
-        lines.append(f"| {task_name} | {name} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "`*`: the two runs' 95% intervals do not overlap.",
-        "",
-        f"![comparison]({plot})" if plot else NO_MATPLOTLIB,
+        rows.append((task_name, name, *cells))
+    header = ("task", "metric", *labels, *(f"{label} - {labels[0]}" for label in labels[1:]))
+    return [
+        render.Heading(1, "Comparison"),
+        render.Table(("run", "model", "quantization", "suite", "wall time"), runs),
+        render.Table(header, tuple(rows)),
+        render.Paragraph("`*`: the two runs' 95% intervals do not overlap."),
+        render.Image("comparison", plot) if plot else render.Paragraph(NO_MATPLOTLIB),
     ]
-    return "\n".join(lines) + "\n"
+
+
+def compare_markdown(documents: Sequence[dict], plot: Path | None) -> str:
+    return render.to_markdown(compare_blocks(documents, plot))
+
+
+def compare_html(documents: Sequence[dict], plot: Path | None) -> str:
+    """compare.md's content as one self-contained HTML page (the plot embedded)."""
+    title = "Comparison: " + ", ".join(d["label"] for d in documents)
+    return render.to_html(compare_blocks(documents, plot), title)
 
 
 def write_comparison(paths: Sequence[str | os.PathLike], output: Path) -> dict[str, Path]:
@@ -352,6 +377,7 @@ def write_comparison(paths: Sequence[str | os.PathLike], output: Path) -> dict[s
     output.mkdir(parents=True, exist_ok=True)
     plot = output / "compare.png"
     plotted = plot_documents(documents, plot)
-    report = output / "compare.md"
-    report.write_text(compare_markdown(documents, plot.name if plotted else None))
-    return {"report": report, **({"plot": plot} if plotted else {})}
+    paths = {"report": output / "compare.md", "html": output / "compare.html"}
+    paths["report"].write_text(compare_markdown(documents, plot if plotted else None))
+    paths["html"].write_text(compare_html(documents, plot if plotted else None), encoding="utf-8")
+    return {**paths, **({"plot": plot} if plotted else {})}

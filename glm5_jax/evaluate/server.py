@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from glm5_jax.evaluate.backend import GenerationRequest, GenerationResult, ServerError, TokenPair
+from glm5_jax.evaluate.backend import GenerationRequest, GenerationResult, ServerError, TokenPair, run_sync
 
 GREEDY_TOLERANCE = 1e-6
 
@@ -142,7 +142,7 @@ class ServerBackend:
 
                 return await asyncio.gather(*(one(request) for request in requests))
 
-        return asyncio.run(run_all())
+        return run_sync(run_all())  # also inside a running event loop (Jupyter)
 
     def _body(self, request: GenerationRequest) -> tuple[str, dict]:
         body = {
