@@ -1,8 +1,10 @@
 """Tests for glm5_jax.data.prepare on a planted corpus: every rule drops exactly its planted junk,
 near-duplicates with known edits are found (and no pair below 0.5 Jaccard is), stats add up, the
-learned scorer beats a constant, executors agree, and the shards read back as a training source.
+learned scorer beats a constant, executors agree, the shards read back as a training source, and
+the difficulty stage stores a reference model's bits per byte.
 
-No JAX anywhere; the whole file runs in a few seconds plus Ray's start-up (one test).
+No JAX but in the last test (the difficulty stage's tiny reference model, ~5 s); the whole file runs
+in a few seconds plus Ray's start-up (one test) and that one.
 """
 
 import json
@@ -419,3 +421,84 @@ def test_parquet_and_code_dir_readers(tmp_path):
         ReaderSpec(kind="code_dir", paths=(str(tmp_path / "pkg"),), extensions=(".py", ".c"))
     )
     assert [d.doc_id.rsplit("/pkg/", 1)[1] for d in documents] == ["a.py", "sub/b.c"]
+
+
+# The file's last test: it starts JAX's runtime in this worker (later pools there would need a forkserver).
+def _byte_tokenizer():
+    """256 byte tokens, no merges: fits the tiny model's vocabulary; ASCII text is one token a byte."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = tokenizers.Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def test_difficulty_stage_stores_the_reference_models_bits_per_byte(corpus, tmp_path, tiny_config):
+    """A one-layer random model (a dense layer, no MTP head: the least to trace and compile) as the
+    reference, eight planted documents (one forward batch): every record gets its bits per byte,
+    equal to the model's loss on the document computed directly, and a schedule's difficulty
+    reader sees the same scores."""
+    from reference import random_params
+
+    import glm5_jax
+    from glm5_jax.data.schedule import document_difficulties
+    from glm5_jax.runs import checkpoint_options
+
+    config = tiny_config.replace(
+        num_layers=1, num_dense_layers=1, indexer_types=["full"], attention_types=["dsa"], num_mtp_layers=0
+    )
+    params = random_params(config, 3)
+    checkpoint = tmp_path / "reference"
+    glm5_jax.save_pretrained(config, params, checkpoint)
+    tokenizer = _byte_tokenizer()
+    tokenizer.save(str(checkpoint / "tokenizer.json"))
+    max_bytes, max_length = 60, 64  # every kept document is longer: one [8, 64] program
+    difficulty = dict(checkpoint=str(checkpoint), max_bytes=max_bytes, max_length=max_length, batch_size=8)
+    root = corpus["root"]
+    sources = [
+        dict(kind="files", paths=[f"{root}/text/good_0[0-5].txt"], name="text"),
+        dict(kind="files", paths=[f"{root}/code/good_0[01].py"], name="code"),
+    ]
+    missing = {**difficulty, "checkpoint": str(tmp_path / "missing")}
+    with LocalExecutor(workers=1, progress=False) as executor:
+        with pytest.raises(FileNotFoundError, match="neither"):  # before any work
+            prepare(_config(corpus, sources=sources, difficulty=missing), tmp_path / "bad", executor=executor)
+        settings = _config(corpus, sources=sources, difficulty=difficulty)
+        stats = prepare(settings, tmp_path / "out", executor=executor)
+
+    records = list(read_prepared(tmp_path / "out"))
+    assert len(records) == 8 and {record["domain"] for record in records} == {"prose", "code"}
+    scores = np.array([record["difficulty"] for record in records])
+    assert np.isfinite(scores).all() and (scores > 0).all() and len(set(scores.tolist())) == len(scores)
+    summary = stats["difficulty"]
+    assert summary["unit"] == "bits per byte" and summary["documents"] == len(records)
+    assert summary["bytes"] == summary["tokens"] == max_bytes * len(records)
+    assert summary["mean"] == pytest.approx(scores.mean())
+    assert summary["p50"] == pytest.approx(np.median(scores))
+    assert sum(entry["documents"] for entry in summary["domains"].values()) == len(records)
+    decisions = [json.loads(line) for line in (tmp_path / "out" / "decisions.jsonl").read_text().splitlines()]
+    assert [row["difficulty"] for row in decisions if row["kept"]] == scores.tolist()
+    assert "difficulty" in stats["timing"]["wall_seconds"]
+
+    # The loss on one document's first max_bytes bytes: its logits in the backend's [8, 64] shape
+    # (the same compiled program), the cross-entropy by hand in float64.
+    record = records[len(records) // 2]
+    text = record["text"][:max_bytes]
+    assert text.isascii() and len(record["text"]) > max_bytes
+    ids = [config.bos_token_id, *tokenizer.encode(text, add_special_tokens=False).ids]  # [max_bytes + 1]
+    inputs = np.full((8, max_length), config.pad_token_id, np.int32)  # [B, T]
+    inputs[0, :max_bytes] = ids[:-1]
+    logits = glm5_jax.forward(config, params, inputs, options=checkpoint_options(checkpoint))  # [B, T, V]
+    logits = np.asarray(logits, np.float64)[0, :max_bytes]  # [T, V]
+    log_normalizer = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    mean_loss = float((log_normalizer - logits[np.arange(max_bytes), ids[1:]]).mean())  # nats per byte
+    assert record["difficulty"] == pytest.approx(mean_loss / np.log(2), rel=1e-5)
+
+    # data.schedule's difficulty_weight reads the same scores.
+    spec = source_spec_from_dict({"kind": "prepared", "name": "scored", "paths": [str(tmp_path / "out")]})
+    documents = load_documents(spec)
+    by_id = {record["id"]: record["difficulty"] for record in records}
+    assert document_difficulties(spec, documents).tolist() == [by_id[d.doc_id] for d in documents]

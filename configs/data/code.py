@@ -18,6 +18,9 @@ def get_config(directory: str = ".") -> ml_collections.ConfigDict:
     config.code_rules = dict(max_line_length=1000, min_alphanumeric_fraction=0.25, marker_lines=20)
     config.quality = dict(model_path="")  # level 2 off: the classifier was trained on prose
     config.domains = dict(strip_license_headers=True, max_blank_lines_code=2)
+    # Optional: each kept document's bits per byte under a reference model (a train.py run or HF
+    # checkpoint), stored as `difficulty` for data.schedule; "" skips it (or --difficulty_checkpoint).
+    config.difficulty = dict(checkpoint="", max_bytes=4000, max_length=256, batch_size=8)
     config.output = dict(docs_per_shard=1000)
     config.batch_docs = 32
     config.seed = 0

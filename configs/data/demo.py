@@ -52,6 +52,9 @@ def get_config(doc_glob: str = "") -> ml_collections.ConfigDict:
         positive_sources=sources,
     )  # curated text: the stdlib's docstrings and the reST docs
     config.domains = dict(strip_license_headers=True, max_blank_lines_code=2, max_blank_lines_text=1)
+    # Optional: each kept document's bits per byte under a reference model (a train.py run or HF
+    # checkpoint), stored as `difficulty` for data.schedule; "" skips it (or --difficulty_checkpoint).
+    config.difficulty = dict(checkpoint="", max_bytes=4000, max_length=256, batch_size=8)
     config.output = dict(docs_per_shard=1000)
     config.batch_docs = 32
     config.seed = 0

@@ -14,9 +14,9 @@ first stage from step 1). `weights` are the shares of rows (tokens) per source n
 left out gets 0; the total must be > 0); with a schedule the sources' own `weight` is not used.
 `difficulty_weight` (default 0) up-weights hard documents within a source: a document is drawn with
 probability proportional to exp(difficulty_weight * difficulty), with replacement, where difficulty
-is its score in a `prepared` source's records (field DIFFICULTY_FIELD, e.g. a reference model's
-loss in nats per token); 0 keeps the plain shuffled epochs. A number applies to every source with a
-positive weight in the stage; a mapping names sources.
+is its score in a `prepared` source's records (field DIFFICULTY_FIELD: bits per byte under a
+reference model, written by prepare's difficulty stage); 0 keeps the plain shuffled epochs. A
+number applies to every source with a positive weight in the stage; a mapping names sources.
 
 Rows are assigned to sources by a fixed interleave of the stage's weights (the same evenly spread
 pattern as grain's `IterDataset.mix`, restarted at each stage), a pure function of the row's index

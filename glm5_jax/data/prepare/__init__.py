@@ -7,13 +7,14 @@
 Level 1: normalisation, exact and near (MinHash LSH) dedup, Gopher/C4 text rules, code rules.
 Level 2: a learned quality score (hashed n-gram logistic regression).
 Level 3: domain tagging (code / prose / docs / other) and per-domain cleaning.
+Optional: each kept document's difficulty (bits per byte under a reference model, --difficulty_checkpoint).
 docs/data.md describes the stages, config keys, outputs and measured figures.
 
 Public API:
     PrepareSettings, settings_from_config(config)      the checked config
     prepare(settings, output, *, executor, review=0, overwrite=False) -> stats dict
     LocalExecutor(workers), RayExecutor(workers), make_executor(kind, workers)
-    read_prepared(path) -> iterator of records {"id", "text", "domain", "source", "quality"}
+    read_prepared(path) -> iterator of records {"id", "text", "domain", "source", "quality"[, "difficulty"]}
 """
 
 import importlib

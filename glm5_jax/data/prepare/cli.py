@@ -1,14 +1,18 @@
 """Prepare training data: filter, deduplicate, tag and shard a configured corpus.
 
     python -m glm5_jax.data.prepare --config configs/data/demo.py --output DIR
-        [--review N] [--executor local|ray] [--workers K] [--overwrite] [--config.<key>=<value> ...]
+        [--review N] [--executor local|ray] [--workers K] [--overwrite] [--difficulty_checkpoint PATH]
+        [--config.<key>=<value> ...]
 
 Writes DIR/data-*.array_record (train on them with a source dict(kind="prepared", paths=["DIR"])),
-stats.json, decisions.jsonl, summary.png and, with --review, review.md (docs/data.md).
+stats.json, decisions.jsonl, summary.png and, with --review, review.md (docs/data.md). With
+--difficulty_checkpoint (or config.difficulty.checkpoint) every kept document's record carries its
+bits per byte under that reference model as `difficulty`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from absl import app, flags
@@ -35,6 +39,13 @@ _EXECUTOR = flags.DEFINE_enum(
 _WORKERS = flags.DEFINE_integer("workers", None, "worker processes (default: all cores)")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace a previous run's output in --output")
 _PROGRESS = flags.DEFINE_bool("progress", True, "show progress bars")
+_DIFFICULTY = flags.DEFINE_string(
+    "difficulty_checkpoint",
+    None,
+    "score each kept document's bits per byte under this reference model (a train.py run directory "
+    "or an HF checkpoint directory, with tokenizer.json) and store it as the record's `difficulty` "
+    "(overrides config.difficulty.checkpoint; '' turns the stage off)",
+)
 
 
 def main(argv) -> None:
@@ -43,6 +54,9 @@ def main(argv) -> None:
         raise app.UsageError("--config and --output are required")
     try:
         settings = settings_from_config(_CONFIG.value)
+        if _DIFFICULTY.value is not None:
+            difficulty = dataclasses.replace(settings.difficulty, checkpoint=_DIFFICULTY.value)
+            settings = dataclasses.replace(settings, difficulty=difficulty)
         with make_executor(_EXECUTOR.value, _WORKERS.value, _PROGRESS.value) as executor:
             stats = prepare(
                 settings, _OUTPUT.value, executor=executor, review=_REVIEW.value, overwrite=_OVERWRITE.value
@@ -58,6 +72,13 @@ def main(argv) -> None:
         print(
             f"{stage['name']:12s} {stage['documents_in']:7d} -> {stage['documents_out']:7d} documents"
             f"{'  (' + dropped + ')' if dropped else ''}"
+        )
+    if stats["difficulty"] is not None and stats["difficulty"]["documents"]:
+        difficulty = stats["difficulty"]
+        print(
+            f"difficulty ({difficulty['unit']} under {difficulty['checkpoint']}): "
+            f"mean {difficulty['mean']:.3f}, median {difficulty['p50']:.3f}, "
+            f"10-90% {difficulty['p10']:.3f}-{difficulty['p90']:.3f}"
         )
     timing = stats["timing"]
     print(

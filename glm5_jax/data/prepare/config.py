@@ -9,6 +9,7 @@ Config sections (every key optional; the defaults below are the Gopher / C4 / St
     code_rules     max_line_length, min_alphanumeric_fraction, generated_markers, marker_lines
     quality        model_path, threshold, domains, positive_sources
     domains        per-domain cleaning switches
+    difficulty     checkpoint (a reference model; "" skips the stage), max_bytes, max_length, batch_size
     output         docs_per_shard
     batch_docs     documents per worker task;  seed  review sampling;  tokenizer_path  token counts
 """
@@ -113,6 +114,17 @@ class DomainSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class DifficultySettings:
+    """The optional difficulty stage (glm5_jax/data/prepare/difficulty.py): each kept document's bits
+    per byte under a reference model, stored as its record's `difficulty`."""
+
+    checkpoint: str = ""  # a train.py run directory or an HF checkpoint directory; "" skips the stage
+    max_bytes: int = 4000  # score each document's first max_bytes bytes of UTF-8 (0: all of it)
+    max_length: int = 256  # tokens per scoring window (the demo model trains on 256)
+    batch_size: int = 8  # windows per forward call
+
+
+@dataclasses.dataclass(frozen=True)
 class PrepareSettings:
     """Everything one prepare run needs."""
 
@@ -122,6 +134,7 @@ class PrepareSettings:
     code_rules: CodeRuleSettings = CodeRuleSettings()
     quality: QualitySettings = QualitySettings()
     domains: DomainSettings = DomainSettings()
+    difficulty: DifficultySettings = DifficultySettings()
     docs_per_shard: int = 1000
     batch_docs: int = 64
     seed: int = 0
@@ -139,6 +152,11 @@ class PrepareSettings:
             raise PrepareConfigError(f"quality.domains {unknown} are not among {DOMAINS}")
         if self.docs_per_shard < 1 or self.batch_docs < 1:
             raise PrepareConfigError("docs_per_shard and batch_docs must be positive")
+        difficulty = self.difficulty
+        if difficulty.max_bytes < 0 or difficulty.max_length < 1 or difficulty.batch_size < 1:
+            raise PrepareConfigError(
+                "difficulty.max_bytes must be >= 0, difficulty.max_length and difficulty.batch_size >= 1"
+            )
 
 
 def _plain(value: Any) -> Any:
@@ -195,6 +213,7 @@ def settings_from_config(config: Any) -> PrepareSettings:
             code_rules=_section(CodeRuleSettings, values.get("code_rules"), "code_rules"),
             quality=_section(QualitySettings, quality, "quality"),
             domains=_section(DomainSettings, values.get("domains"), "domains"),
+            difficulty=_section(DifficultySettings, values.get("difficulty"), "difficulty"),
             docs_per_shard=int(output.get("docs_per_shard", 1000)),
             **{key: values[key] for key in ("batch_docs", "seed", "tokenizer_path") if key in values},
         )

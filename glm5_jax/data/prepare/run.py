@@ -1,12 +1,16 @@
 """One prepare run, stage by stage: read -> [normalise, dedup keys] -> exact dedup -> near dedup ->
-[domain tag, rules, quality, cleaning] -> shards, stats.json, decisions.jsonl, summary.png, review.md.
+[domain tag, rules, quality, cleaning] -> (difficulty) -> shards, stats.json, decisions.jsonl,
+summary.png, review.md.
 
 Bracketed steps run per document batch on the executor; the rest runs here, over all documents in
-input order (dedup keeps the first of each group). Outputs in the directory:
+input order (dedup keeps the first of each group). The difficulty stage (only with a
+difficulty.checkpoint) scores the kept documents under a reference model, here in the driver
+(glm5_jax/data/prepare/difficulty.py). Outputs in the directory:
     data-*.array_record   the kept documents (glm5_jax/data/prepare/writer.py)
     stats.json            counts per stage and rule, duplicates, domain shares, kept fraction, timing
     decisions.jsonl       one line per input document: kept, or the stage and reason that dropped it
-                          (and for duplicates the id of the document kept in its place)
+                          (and for duplicates the id of the document kept in its place), with the
+                          domain, quality and difficulty where computed
     summary.png           the plotted summary (when matplotlib is installed)
     review.md             with review > 0: sampled kept and dropped documents per stage
 Everything but stats.json's "timing" section is the same for any executor and worker count.
@@ -24,13 +28,14 @@ from typing import Any
 
 from glm5_jax.data.prepare.config import PrepareSettings
 from glm5_jax.data.prepare.dedup import exact_duplicates, near_duplicates
+from glm5_jax.data.prepare.difficulty import check_reference, score_texts, summarise
 from glm5_jax.data.prepare.quality import ensure_model
 from glm5_jax.data.prepare.readers import read_sources
 from glm5_jax.data.prepare.review import ReviewSampler
 from glm5_jax.data.prepare.rules import RULE_NAMES
 from glm5_jax.data.prepare.stages import analyse_batch, filter_batch
 from glm5_jax.data.prepare.stats import PipelineStats, plot_summary, write_stats
-from glm5_jax.data.prepare.writer import SHARD_SUFFIX, write_shards
+from glm5_jax.data.prepare.writer import DIFFICULTY_FIELD, SHARD_SUFFIX, write_shards
 
 OUTPUT_FILES = ("stats.json", "decisions.jsonl", "summary.png", "review.md")
 _REASONS = {
@@ -80,6 +85,7 @@ class _Run:
         self.fates: list[dict[str, Any]] = [{} for _ in documents]
         self.worker_seconds: dict[str, float] = {}
         self.duplicates: dict[str, dict[str, Any]] = {}
+        self.kept: list[int] = []  # indices of the written records' documents, in order
 
     def _keep(self, stage: str, index: int, tokens_in: int, tokens_out: int, text: str, note: str) -> None:
         self.stats.passed(stage, tokens_in, tokens_out)
@@ -172,6 +178,7 @@ class _Run:
                 else:
                     self._keep(stage, index, tokens, tokens, text, note)
             if result.dropped_at is None:
+                self.kept.append(index)
                 source, document = self.documents[index]
                 self.stats.kept(result.domain, result.tokens)
                 records.append(
@@ -184,6 +191,16 @@ class _Run:
                     }
                 )
         return records
+
+    def difficulty(self, records: list[dict[str, Any]], progress: bool) -> dict[str, Any]:
+        """Scores the records under the reference model, adding `difficulty` to each record and its
+        decision; returns stats.json's `difficulty` section."""
+        settings = self.settings.difficulty
+        scores = score_texts([record["text"] for record in records], settings, progress)
+        for index, record, value in zip(self.kept, records, scores.bits_per_byte.tolist(), strict=True):
+            record[DIFFICULTY_FIELD] = value
+            self.fates[index][DIFFICULTY_FIELD] = value
+        return summarise(scores, [record["domain"] for record in records], settings)
 
     def write_decisions(self, output: Path) -> None:
         with (output / "decisions.jsonl").open("w", encoding="utf-8") as handle:
@@ -225,6 +242,8 @@ def prepare(
         wall[name], clock = time.perf_counter() - clock, time.perf_counter()
         driver_cpu[name], cpu_clock = time.process_time() - cpu_clock, time.process_time()
 
+    if settings.difficulty.checkpoint:
+        check_reference(settings.difficulty)  # a bad path fails now, not after the filters
     run = _Run(settings, read_sources(settings.sources), review)
     quality_model = ensure_model(settings.quality, settings.seed)
     lap("read")
@@ -236,6 +255,10 @@ def prepare(
     lap("near_dedup")
     records = run.filter(executor, alive, quality_model)
     lap("filter")
+    difficulty = None
+    if settings.difficulty.checkpoint:
+        difficulty = run.difficulty(records, executor.progress)
+        lap("difficulty")
     shards = write_shards(records, output, settings.docs_per_shard)
     run.write_decisions(output)
     lap("write")
@@ -258,6 +281,7 @@ def prepare(
             "domains": list(settings.quality.domains),
             "scored": run.scored,
         },
+        difficulty=difficulty,
         token_unit=f"tokenizer {settings.tokenizer_path}" if settings.tokenizer_path else "whitespace words",
         shards=shards,
         timing={

@@ -4,6 +4,7 @@ Per stage (in order): documents and tokens in and out, dropped documents and tok
 rule name, "exact_duplicate", ...), and `tokens_changed`, the tokens a stage removed from documents
 it kept (normalisation, cleaning). They add up: documents_in = documents_out + dropped documents,
 tokens_in = tokens_out + dropped tokens + tokens_changed, and a stage's out is the next one's in.
+With the difficulty stage, a `difficulty` section gives the distribution of the scores (null without it).
 Timing lives in its own section ("timing"), the only part that differs between identical runs: wall
 seconds per step and per 1k documents (they depend on the machine's load), the driver's CPU seconds
 per step (reading, the global dedup, writing) and the workers' CPU seconds per stage per 1k documents.

@@ -4,8 +4,9 @@
 
 Each record is one kept document as UTF-8 JSON: {"id", "text", "domain", "source", "quality"}
 (quality is the level-2 score, or null where the document was not scored), plus an optional
-"difficulty" (DIFFICULTY_FIELD: a finite number, higher = harder, e.g. a reference model's loss in
-nats per token) that `data.schedule`'s difficulty_weight samples by (glm5_jax/data/schedule.py).
+"difficulty" (DIFFICULTY_FIELD: a finite number, higher = harder; the prepare run's difficulty stage
+writes bits per byte under a reference model, glm5_jax/data/prepare/difficulty.py) that
+`data.schedule`'s difficulty_weight samples by (glm5_jax/data/schedule.py).
 Records are written in input order, `docs_per_shard` per shard, one record per ArrayRecord chunk
 (`group_size:1`), so `grain.sources.ArrayRecordDataSource(shard_paths)[i]` reads one document
 without its neighbours.
