@@ -12,6 +12,7 @@ Two calls cover every task:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
@@ -113,3 +114,18 @@ def rolling_windows(tokens: list[int], prefix_token_id: int, max_length: int) ->
         first = max(0, end - max_length)
         pairs.append((sequence[first : start + 1], sequence[start + 1 : end + 1]))
     return pairs
+
+
+async def gather_bounded(requests: Sequence, run_one, concurrency: int, progress=None) -> list:
+    """`await run_one(request)` for every request, at most `concurrency` at once, in order;
+    ticks `progress` (a tqdm-like bar or None) as each finishes."""
+    limit = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(request):
+        async with limit:
+            result = await run_one(request)
+        if progress is not None:
+            progress.update(1)
+        return result
+
+    return await asyncio.gather(*(one(request) for request in requests))

@@ -10,7 +10,6 @@ stop strings and thinking blocks handled as the API handles them), built at the 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import time
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import jinja2
 import numpy as np
 
-from glm5_jax.evaluate.backend import GenerationRequest, GenerationResult, TokenPair, run_sync
+from glm5_jax.evaluate.backend import GenerationRequest, GenerationResult, TokenPair, gather_bounded, run_sync
 from glm5_jax.model import ModelConfig, forward
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.serve.chat import ChatRenderer, load_chat_template, load_special_tokens
@@ -213,16 +212,8 @@ class InProcessBackend:
         engine = self.engine
 
         async def run_all():
-            limit = asyncio.Semaphore(concurrency or max(1, len(requests)))
-
-            async def one(request):
-                async with limit:
-                    result = await self._generate_one(engine, request)
-                if progress is not None:
-                    progress.update(1)
-                return result
-
-            return await asyncio.gather(*(one(request) for request in requests))
+            return await gather_bounded(requests, lambda request: self._generate_one(engine, request),
+                                        concurrency or len(requests), progress)
 
         return run_sync(run_all())  # also inside a running event loop (Jupyter)
 

@@ -10,14 +10,20 @@ first text (TTFT) and the end of each answer.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Sequence
 
 import httpx
 
-from glm5_jax.evaluate.backend import GenerationRequest, GenerationResult, ServerError, TokenPair, run_sync
+from glm5_jax.evaluate.backend import (
+    GenerationRequest,
+    GenerationResult,
+    ServerError,
+    TokenPair,
+    gather_bounded,
+    run_sync,
+)
 
 GREEDY_TOLERANCE = 1e-6
 
@@ -128,19 +134,11 @@ class ServerBackend:
         self, requests: Sequence[GenerationRequest], progress=None, concurrency: int | None = None
     ) -> list[GenerationResult]:
         async def run_all():
-            limit = asyncio.Semaphore(concurrency or self.concurrency)
             async with httpx.AsyncClient(
                 base_url=self.url, headers=self._headers, timeout=self._timeout
             ) as client:
-
-                async def one(request):
-                    async with limit:
-                        result = await self._stream(client, request)
-                    if progress is not None:
-                        progress.update(1)
-                    return result
-
-                return await asyncio.gather(*(one(request) for request in requests))
+                return await gather_bounded(requests, lambda request: self._stream(client, request),
+                                            concurrency or self.concurrency, progress)
 
         return run_sync(run_all())  # also inside a running event loop (Jupyter)
 
