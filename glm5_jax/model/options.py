@@ -13,6 +13,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from glm5_jax.model.config import ConfigError, ModelConfig, check_field
@@ -24,6 +25,20 @@ KERNEL_IMPLS = ("reference", "pallas")
 EXPERT_DISPATCHES = ("all_to_all", "ragged_all_to_all")
 QUANTIZED_MATMUL_IMPLS = ("dequantize", "native", "pallas")  # glm5_jax.quant.matmul.IMPLS
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# On a CPU, "dense" up to this many experts per chosen one (at most that many times the chosen
+# experts' FLOPs, in a few large matmuls); measured (docs/benchmarks.md): 8 experts top-2,
+# serving 32 requests in-process, dense 1,646 tok/s, blocked 1,154, ragged 1,113.
+CPU_DENSE_EXPERTS_PER_CHOSEN = 4
+
+
+def platform_moe_impl(num_experts: int, experts_per_token: int, platform: str | None = None) -> str:
+    """The routed-experts implementation for `platform` (default: JAX's default backend) when
+    nothing chose one: "ragged" on GPUs and TPUs (a grouped matmul there); on a CPU, where
+    lax.ragged_dot lowers to a masked loop over every expert, "dense" for few experts per chosen
+    one (CPU_DENSE_EXPERTS_PER_CHOSEN), else "blocked"."""
+    if (platform or jax.default_backend()) != "cpu":
+        return "ragged"
+    return "dense" if num_experts <= CPU_DENSE_EXPERTS_PER_CHOSEN * experts_per_token else "blocked"
 
 
 @dataclasses.dataclass(frozen=True)
