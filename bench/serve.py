@@ -2,7 +2,7 @@
 and 32 clients, cold time to first token of a long prompt, and how decode speed moves with
 --max-context.
 
-    python bench/serve.py                      # the issue's workload, ~15 min on a 2-core CPU
+    python bench/serve.py                      # the issue's workload, ~6 min on a 2-core CPU
     python bench/serve.py --quick              # smaller, ~4 min
 
 A demo-size GLM-5 checkpoint (configs/demo.py's architecture, random weights, a BPE tokenizer
@@ -12,7 +12,8 @@ subprocess, each client streaming through the official `openai` client (token-id
 ignore_eos); tok/s = generated tokens / wall time of the whole round, prefill included.
 transformers 5.24: `generate` with the same batch, prompt and token count (greedy, min_new_tokens
 = max_new_tokens); its TTFT reference is one forward of the long prompt. glm5_jax.forward of the
-same prompt (jitted, compiled first) is timed too. Then serve.py restarts at each --contexts
+same prompt (jitted, compiled first) is timed too, and the engine in this process (no HTTP) on the
+same N-client workload, with where each HTTP round's CPU time went. Then serve.py restarts at each --contexts
 value and 8 clients measure decode tok/s (steady-state gaps between streamed tokens), which
 should not depend on --max-context. Writes a markdown table (and --out JSON).
 """
@@ -123,8 +124,24 @@ def prompts(rng, count, length, vocab):
     return [rng.integers(5, vocab, length).tolist() for _ in range(count)]
 
 
-def measure_server(port, args, rng, vocab) -> dict:
-    out = {}
+def cpu_seconds_by_thread(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of process `pid` per thread name, from /proc ({} elsewhere)."""
+    totals: dict[str, float] = {}
+    tasks = Path(f"/proc/{pid}/task")
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            raw = (task / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        name, fields = raw[raw.index("(") + 1:raw.rindex(")")], raw[raw.rindex(")") + 2:].split()
+        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return totals
+
+
+def measure_server(server: Server, args, rng, vocab) -> dict:
+    """1-client and N-client tok/s and cold TTFT over HTTP; for the N-client rounds also where
+    the CPU went: the server's threads (XLA's pool vs Python) and this process's clients."""
+    port, out = server.port, {}
     asyncio.run(round_of(port, prompts(rng, 2, args.prompt_tokens, vocab), 4))  # connections, first use
     rates = []
     for _ in range(args.rounds):
@@ -133,12 +150,22 @@ def measure_server(port, args, rng, vocab) -> dict:
     out["1 client tok/s"] = statistics.median(rates)
     log(f"ours, 1 client: {out['1 client tok/s']:.1f} tok/s")
     rates = []
+    threads_before, client_before = cpu_seconds_by_thread(server.process.pid), time.process_time()
+    wall = time.perf_counter()
     for _ in range(args.rounds):
         batch = prompts(rng, args.clients, args.prompt_tokens, vocab)
         rate, _ = asyncio.run(round_of(port, batch, args.max_tokens))
         rates.append(rate)
+    wall = time.perf_counter() - wall
+    spent = {name: seconds - threads_before.get(name, 0.0)
+             for name, seconds in cpu_seconds_by_thread(server.process.pid).items()}
     out[f"{args.clients} clients tok/s"] = statistics.median(rates)
-    log(f"ours, {args.clients} clients: {out[f'{args.clients} clients tok/s']:.1f} tok/s")
+    xla = sum(seconds for name, seconds in spent.items() if "XLA" in name)  # XLA's thread pool
+    out["cpu per round"] = {"wall s": wall / args.rounds, "server XLA threads": xla / args.rounds,
+                            "server other threads": (sum(spent.values()) - xla) / args.rounds,
+                            "clients": (time.process_time() - client_before) / args.rounds}
+    log(f"ours, {args.clients} clients: {out[f'{args.clients} clients tok/s']:.1f} tok/s; per round (s): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in out["cpu per round"].items()))
     ttfts = []
     for _ in range(args.rounds):  # a new prompt each time: no prefix-cache hit
         _, results = asyncio.run(round_of(port, prompts(rng, 1, args.long_prompt, vocab), 1))
@@ -157,6 +184,47 @@ def decode_at(port, args, rng, vocab) -> float:
         _, results = asyncio.run(round_of(port, batch, 4 * args.max_tokens))
         rates.append(decode_rate(results))
     return statistics.median(rates)
+
+
+def measure_engine_alone(checkpoint: Path, args, rng, vocab) -> float:
+    """Median tok/s of `args.clients` requests on the engine in this process (no HTTP, no clients
+    sharing the CPU), built from the same flags as the server (serve.py's own parser)."""
+    import importlib.util
+
+    from glm5_jax.runs import checkpoint_options, load_any
+    from glm5_jax.serve.engine import Engine, warm_up
+    from glm5_jax.serve.types import SamplingParams
+
+    spec = importlib.util.spec_from_file_location("serve_cli", ROOT / "serve.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    flags = cli.parse_args(["--checkpoint", str(checkpoint), "--max-slots", str(args.max_slots),
+                            "--max-context", str(args.max_context)] + args.serve_args)
+    config, params, tokenizer = load_any(str(checkpoint))
+    options = checkpoint_options(checkpoint).replace(
+        **{name: getattr(flags, name) for name in cli.EXECUTION_FLAGS if getattr(flags, name) is not None})
+    engine = Engine(config, params, tokenizer, max_slots=flags.max_slots, max_context=flags.max_context,
+                    page_size=flags.page_size, num_pages=flags.num_pages, token_budget=flags.token_budget,
+                    decode_steps=flags.decode_steps, options=options)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+
+    async def one(prompt):
+        return sum([event.token_id is not None async for event in engine.submit(prompt, sampling)])
+
+    async def round_of_requests(count):
+        batch = prompts(rng, count, args.prompt_tokens, vocab)
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one(prompt) for prompt in batch))
+        return sum(tokens) / (time.perf_counter() - start)
+
+    try:
+        warm_up(engine)
+        asyncio.run(round_of_requests(args.clients))  # first use
+        rate = statistics.median(asyncio.run(round_of_requests(args.clients)) for _ in range(args.rounds))
+    finally:
+        engine.shutdown()
+    log(f"engine in-process, {args.clients} requests: {rate:.1f} tok/s")
+    return rate
 
 
 def measure_transformers(checkpoint: Path, args, rng, vocab) -> dict:
@@ -245,10 +313,11 @@ def main() -> None:
         vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
         server = Server(checkpoint, args.max_context, args)
         try:
-            ours = measure_server(server.port, args, rng, vocab)
+            ours = measure_server(server, args, rng, vocab)
             ours["startup s"] = server.startup_seconds
         finally:
             server.close()
+        ours["engine alone"] = measure_engine_alone(checkpoint, args, rng, vocab)
         theirs = measure_transformers(checkpoint, args, rng, vocab)
         jax_forward = measure_jax_forward(checkpoint, args, rng, vocab)
         by_context = {}
@@ -270,6 +339,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for key, target in (("1 client tok/s", ">= 3x"), (f"{args.clients} clients tok/s", ">= 2x")):
         print(f"| {key} | {ours[key]:.1f} | {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}x | {target} |")
+    key, alone = f"{args.clients} clients tok/s", ours["engine alone"]
+    print(f"| {args.clients} requests in-process (the engine alone, no HTTP) tok/s | {alone:.1f} "
+          f"| {theirs[key]:.1f} | {alone / theirs[key]:.2f}x | (no target) |")
     ttft = ours["cold TTFT s"]
     reference = theirs["cold TTFT s"]
     print(f"| cold TTFT, {args.long_prompt}-token prompt (s) | {ttft:.2f} | {reference:.2f} (forward) | "
@@ -281,7 +353,11 @@ def main() -> None:
         cells = ", ".join(f"{c}: {r:.1f}" for c, r in by_context.items())
         print(f"| decode tok/s by --max-context (8 clients) | {cells} | | spread {(high - low) / high:.0%} "
               "| <= 15% |")
-    print(f"\nserve.py startup (load + warm-up): {ours['startup s']:.0f} s")
+    cpu = ours["cpu per round"]
+    print(f"\nserve.py startup (load + warm-up): {ours['startup s']:.0f} s. A {args.clients}-client round: "
+          f"{cpu['wall s']:.2f} s of wall time; CPU seconds: the server's XLA threads "
+          f"{cpu['server XLA threads']:.2f}, its other threads {cpu['server other threads']:.2f}, "
+          f"the clients {cpu['clients']:.2f} ({os.cpu_count()} CPUs)")
     if args.out:
         figures = {"ours": ours, "transformers": theirs, "jax_forward_s": jax_forward,
                    "decode_by_context": by_context, "args": vars(args)}
