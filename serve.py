@@ -269,7 +269,9 @@ def main(argv=None) -> int:
     aliases = f" (aliases: {', '.join(server_config.model_aliases)})" if server_config.model_aliases else ""
     on = f", mesh {args.mesh}" if args.mesh else ""
     print(f"serving {model_id!r}{aliases} from {checkpoint} at http://{args.host}:{args.port}/v1 "
-          f"(max_context {engine.max_context}, {args.max_slots} slots{on}, metrics at /metrics)", flush=True)
+          f"(max_context {engine.max_context}, {args.max_slots} slots{on}, metrics at /metrics; "
+          f"{options.dtype}, moe_impl {options.moe_impl}, decode attention {options.decode_attention_impl})",
+          flush=True)
     if feedback_log is not None:
         print(f"collecting feedback in {feedback_log.path} (POST /v1/feedback)", flush=True)
     # A short graceful shutdown: open streams are then cancelled, which frees their engine slots.
