@@ -101,8 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                        help="compute dtype of activations and the page cache (weights stay as loaded)")
     group.add_argument("--moe-impl", choices=MOE_IMPL_CHOICES, default=None,
-                       help="routed-expert computation: ragged (GPU/TPU), blocked (fast on CPUs), dense, "
-                            "or pallas (grouped-matmul kernel)")
+                       help="routed-expert computation: ragged (GPU/TPU), blocked, dense (CPU, few "
+                            "experts per chosen one) or pallas (grouped-matmul kernel); an HF checkpoint's "
+                            "default: this platform's (ragged on GPU/TPU; dense or blocked on a CPU)")
     group.add_argument("--attention-impl", choices=KERNEL_IMPL_CHOICES, default=None,
                        help="full-sequence attention: reference (jnp) or pallas (the paged serving step "
                             "uses --decode-attention-impl; kept for tools sharing these options)")

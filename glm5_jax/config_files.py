@@ -57,7 +57,8 @@ def add_execution_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="compute dtype of activations and the cache (weights stay as loaded)")
     group.add_argument("--moe-impl", choices=MOE_IMPLS, default=None,
-                       help="routed-expert computation: ragged (GPU/TPU), blocked (CPU), dense, pallas")
+                       help="routed-expert computation: ragged (GPU/TPU), blocked, dense (CPU), pallas; "
+                            "an HF checkpoint's default: this platform's (options.platform_moe_impl)")
     group.add_argument("--attention-impl", choices=KERNEL_IMPLS, default=None,
                        help="prefill/training attention: reference (jnp) or pallas kernels")
     group.add_argument("--indexer-impl", choices=KERNEL_IMPLS, default=None,
