@@ -148,22 +148,20 @@ def select_topk(scores: jax.Array, allowed: jax.Array, topk: int) -> tuple[jax.A
     return jax.lax.stop_gradient(indices.astype(jnp.int32)), jax.lax.stop_gradient(gap)
 
 
-_QUERY_ROWS = ("batch", "length", None)  # [B, T, S] or [B, T, K]: each device's own queries
-
-
 def select_topk_local(scores: jax.Array, allowed: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
     """`select_topk` per device on its own rows and queries (run_local). Under a mesh XLA's SPMD
     partitioner would all-gather a top_k operand split along an axis other than the sorted one
     (here the [B, T, S] scores, split over the batch axes and `context`). Same shapes."""
-    return run_local(functools.partial(select_topk, topk=topk), (scores, allowed),
-                     (_QUERY_ROWS, _QUERY_ROWS), (_QUERY_ROWS, ("batch", "length")))
+    rows = kernel_calls.QUERY_ROWS
+    return run_local(functools.partial(select_topk, topk=topk), (scores, allowed), (rows, rows),
+                     (rows, ("batch", "length")))
 
 
 def selection_mask_local(topk_indices: jax.Array, num_keys: int) -> jax.Array:
     """`selection_mask` per device on its own rows and queries (run_local: XLA would all-gather
     the scatter's indices over the split query axis). [B, T, K] -> bool [B, T, S]."""
     return run_local(functools.partial(selection_mask, num_keys=num_keys), (topk_indices,),
-                     (_QUERY_ROWS,), _QUERY_ROWS)
+                     (kernel_calls.QUERY_ROWS,), kernel_calls.QUERY_ROWS)
 
 
 def fused_indexer_topk(x, q_latent, cos, sin, wq_b, wk, k_norm_scale, k_norm_bias, weights_proj,

@@ -24,7 +24,7 @@ _KEY_ROWS = ("batch", None)  # [B, S] the keys' positions and segment ids (the s
 _HEADS = ("batch", "length", "heads", None)  # [B, T, N, H] queries
 _KEY_HEADS = ("batch", None, "heads", None)  # [B, S, N, H] per-head keys and values
 _KEYS = ("batch", None, None)  # [B, S, R]: shared by all heads
-_QUERY_ROWS = ("batch", "length", None)  # [B, T, K] per-query selections and weights
+QUERY_ROWS = ("batch", "length", None)  # [B, T, S] or [B, T, K]: each device's own queries
 _TOKENS = (Merged(("batch", "length")), None)  # [B*T, ...] flattened tokens: rows split like [B, T]
 
 
@@ -36,9 +36,9 @@ def indexer_topk(queries, keys, head_weights, positions, segment_ids, topk: int)
 
     return run_local(functools.partial(kernel, topk=topk),
                      (queries, keys, head_weights, positions, positions, segment_ids, segment_ids),
-                     (("batch", "length", None, None), _KEYS, _QUERY_ROWS, _ROWS, _KEY_ROWS, _ROWS,
+                     (("batch", "length", None, None), _KEYS, QUERY_ROWS, _ROWS, _KEY_ROWS, _ROWS,
                       _KEY_ROWS),
-                     (_QUERY_ROWS, _ROWS))
+                     (QUERY_ROWS, _ROWS))
 
 
 def sparse_attention(q_absorbed, q_rope, latent, k_rope, indices, positions, segment_ids, scale: float):
@@ -50,7 +50,7 @@ def sparse_attention(q_absorbed, q_rope, latent, k_rope, indices, positions, seg
     return run_local(functools.partial(kernel, scale=scale),
                      (q_absorbed, q_rope, latent, k_rope, indices, positions, positions, segment_ids,
                       segment_ids),
-                     (_HEADS, _HEADS, _KEYS, _KEYS, _QUERY_ROWS, _ROWS, _KEY_ROWS, _ROWS, _KEY_ROWS),
+                     (_HEADS, _HEADS, _KEYS, _KEYS, QUERY_ROWS, _ROWS, _KEY_ROWS, _ROWS, _KEY_ROWS),
                      _HEADS)
 
 

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from glm5_jax.parallel.logical import mesh_axes
+
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
 
@@ -47,8 +49,7 @@ def _token_axes(mesh) -> tuple[str, ...]:
               if kind == jax.sharding.AxisType.Manual}
     axes = []
     for entry in nn.logical_to_mesh_axes(("batch", "length")):
-        axes += [a for a in ((entry,) if isinstance(entry, str) else tuple(entry or ()))
-                 if a in mesh.axis_names and a not in manual]
+        axes += [a for a in mesh_axes(entry) if a in mesh.axis_names and a not in manual]
     return tuple(axes)
 
 

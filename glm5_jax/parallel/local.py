@@ -15,6 +15,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec as P
 
+from glm5_jax.parallel.logical import mesh_axes
+
 
 class Merged(tuple):
     """An axis that flattens several logical axes and is split like them, in order: tokens
@@ -40,7 +42,7 @@ def _mesh_spec(mesh, axes: LogicalAxes, whole=frozenset()) -> P:
         names = ()
         for _ in _names(entry):
             target = next(mapped)
-            names += (target,) if isinstance(target, str) else tuple(target or ())
+            names += mesh_axes(target)
         names = () if entry in whole else tuple(name for name in names if name in usable)
         entries.append(names if len(names) > 1 else (names[0] if names else None))
     return P(*entries)
@@ -52,7 +54,7 @@ def _undivided(mesh, args, in_axes) -> frozenset:
     whole = set()
     for x, axes in zip(args, in_axes, strict=True):
         for size, entry, split in zip(x.shape, axes, _mesh_spec(mesh, axes), strict=True):
-            names = (split,) if isinstance(split, str) else tuple(split or ())
+            names = mesh_axes(split)
             if size % math.prod(mesh.shape[name] for name in names):
                 whole.add(entry)
     return frozenset(whole)
@@ -61,7 +63,7 @@ def _undivided(mesh, args, in_axes) -> frozenset:
 def _used_axes(spec: P) -> set[str]:
     used = set()
     for entry in spec:
-        used.update((entry,) if isinstance(entry, str) else tuple(entry or ()))
+        used.update(mesh_axes(entry))
     return used
 
 

@@ -32,11 +32,16 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     return nn.with_logical_constraint(x, axes)
 
 
+def mesh_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """One entry of a PartitionSpec or a rules target (a mesh axis name, several, or None) as a
+    tuple of mesh axis names."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def shards(axis: str) -> int:
     """How many ways the rules and mesh in context split logical `axis` (1 without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return 1
-    entry = nn.logical_to_mesh_axes((axis,))[0]
-    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    names = mesh_axes(nn.logical_to_mesh_axes((axis,))[0])
     return math.prod(mesh.shape[name] for name in names if name in mesh.axis_names)

@@ -30,6 +30,7 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.transformer import apply_model, param_shapes, sown_values
 from glm5_jax.parallel import sharding
+from glm5_jax.parallel.logical import mesh_axes
 from glm5_jax.train.dpo import dpo_loss
 from glm5_jax.train.loss import expert_loads, language_model_losses, shifted_targets, token_cross_entropy
 from glm5_jax.train.settings import TrainSettings
@@ -84,7 +85,7 @@ def _without_axis(rules, axis: str):
     """`rules` with mesh axis `axis` removed from every target (it becomes the vmapped replica axis)."""
     kept = []
     for name, target in rules:
-        targets = (target,) if isinstance(target, str) else tuple(target or ())
+        targets = mesh_axes(target)
         targets = tuple(t for t in targets if t != axis)
         kept.append((name, targets if len(targets) > 1 else (targets[0] if targets else None)))
     return tuple(kept)
