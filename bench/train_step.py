@@ -6,8 +6,9 @@ measured float32 matmul rate.
 
 Models: "demo" is configs/demo.py (seq 256) without the MTP head (transformers has none);
 "moe16" is the issue's larger shape: the demo with 6 layers, 16 experts top-4, a 16,384-token
-vocabulary and seq 512 (26.7M parameters). Both sides: AdamW, float32, the same random token
-batch; the first (compiling / warm-up) step is excluded; each side runs blocks of `--steps` steps
+vocabulary and seq 512 (26.7M parameters). Both sides: AdamW, float32 (or, with `--dtype
+bfloat16`, bfloat16 compute over float32 weights: ours via execution.dtype, torch under autocast),
+the same random token batch; the first (compiling / warm-up) step is excluded; each side runs blocks of `--steps` steps
 (one untimed step first), two rounds; the figure is the median step time.
 
 Model FLOPs per step = 3 x (2 x active matmul parameters x tokens + the attention and indexer
@@ -57,8 +58,9 @@ def ours(config, options, settings):
     return one_step
 
 
-def transformers_step(config, settings):
-    """A step closure for transformers' model with torch AdamW (eager, sdpa attention)."""
+def transformers_step(config, settings, dtype: str = "float32"):
+    """A step closure for transformers' model with torch AdamW (eager, sdpa attention); dtype
+    "bfloat16": the forward and backward under torch.autocast (float32 weights and optimizer)."""
     from transformers import GlmMoeDsaForCausalLM
 
     torch.manual_seed(0)
@@ -69,7 +71,8 @@ def transformers_step(config, settings):
 
     def one_step(batch):
         ids = torch.as_tensor(batch["input_ids"], dtype=torch.long)
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip_grad_norm)
         optimizer.step()
@@ -90,9 +93,9 @@ def model_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
     return 3 * (2 * active * tokens + config.num_layers * attention) + config.num_layers * indexer
 
 
-def matmul_roofline(size: int = 2048, repeats: int = 10) -> float:
-    """Best float32 FLOP/s of one [size, size] x [size, size] jitted matmul on this machine."""
-    a = jnp.ones((size, size), jnp.float32)
+def matmul_roofline(dtype: str, size: int = 2048, repeats: int = 10) -> float:
+    """Best FLOP/s of one [size, size] x [size, size] jitted matmul in dtype on this machine."""
+    a = jnp.ones((size, size), dtype)
     matmul = jax.jit(jnp.matmul)
     matmul(a, a).block_until_ready()
     best = min(_timed(lambda: matmul(a, a).block_until_ready()) for _ in range(repeats))
@@ -111,7 +114,7 @@ def compare(name: str, run_config, args, roofline: float) -> list[str]:
     base = TrainSettings.from_config(run_config)
     settings = base.__class__(**{**base.__dict__, "batch_size": args.batch_size, "grad_accum_steps": 1})
     config = ModelConfig.from_dict({**run_config.model.to_dict(), **overrides, "num_mtp_layers": 0})
-    options = ExecutionOptions.from_dict(run_config.get("execution"))
+    options = ExecutionOptions.from_dict(run_config.get("execution")).replace(dtype=args.dtype)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch_size, seq_len))
     batch = dict(input_ids=ids.astype(np.int32), segment_ids=np.ones_like(ids, np.int32),
                  positions=np.broadcast_to(np.arange(seq_len), ids.shape).astype(np.int32))
@@ -119,8 +122,10 @@ def compare(name: str, run_config, args, roofline: float) -> list[str]:
     flops = model_flops(config, args.batch_size, seq_len)
     millions = glm5_jax.count_params(config)["total"] / 1e6
     print(f"\n{name}: {millions:.1f}M parameters, batch {args.batch_size} x {seq_len}, "
-          f"{flops / 1e9:.1f} GFLOP per step; {options.moe_impl=}, {options.scan_unroll=}", flush=True)
-    steps = {"transformers": transformers_step(config, settings), "glm5_jax": ours(config, options, settings)}
+          f"{flops / 1e9:.1f} GFLOP per step; {options.dtype=}, {options.moe_impl=}, {options.scan_unroll=}",
+          flush=True)
+    steps = {"transformers": transformers_step(config, settings, args.dtype),
+             "glm5_jax": ours(config, options, settings)}
     times = {label: [] for label in steps}
     for one_step in steps.values():
         one_step(batch)  # compile / warm up
@@ -145,11 +150,14 @@ def main():
     parser.add_argument("--models", default="demo,moe16", help=f"comma-separated, from {sorted(MODELS)}")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per block (two blocks per side)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per step")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="compute dtype of both sides (bfloat16: ours with execution.dtype, torch under "
+                             "autocast; weights and optimizer float32 on both)")
     args = parser.parse_args()
     run_config = load_config_file(args.config)
-    roofline = matmul_roofline()
+    roofline = matmul_roofline(args.dtype)
     print(f"jax {jax.__version__} / torch {torch.__version__}, {torch.get_num_threads()} torch threads; "
-          f"float32 matmul roofline {roofline / 1e9:.0f} GFLOP/s (2048^3, best of 10)")
+          f"{args.dtype} matmul roofline {roofline / 1e9:.0f} GFLOP/s (2048^3, best of 10)")
     lines = [line for name in args.models.split(",") for line in compare(name, run_config, args, roofline)]
     print("\n| model | implementation | s/step (median) | tokens/s | vs transformers | of roofline |")
     print("|---|---|---|---|---|---|")

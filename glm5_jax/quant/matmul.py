@@ -86,8 +86,10 @@ def expert_linear(x: jax.Array, weight, experts: jax.Array, impl: str = "dequant
     x = x.astype(dtype)
     if not in_matmul(weight, impl):
         gathered = weight.astype(dtype)[experts]  # [T, K, I, O]
-        if x.shape[1] == 1:
-            return jnp.einsum("TI,TKIO->TKO", x[:, 0], gathered)
+        # (T, K) as batch dimensions of both operands: the gathered matrices are used in place
+        # (sharing x's row as "TI,TKIO" made XLA:CPU transpose them into [I, K*O] first: 18% of a
+        # one-sequence decode: 465 -> 550 tok/s in-process on a CPU).
+        x = jnp.broadcast_to(x, (tokens, top_k, x.shape[-1]))
         return jnp.einsum("TKI,TKIO->TKO", x, gathered)
     x = jnp.broadcast_to(x, (tokens, top_k, x.shape[-1]))
     flat_experts = experts.reshape(-1)  # [T*K]
