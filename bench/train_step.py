@@ -1,19 +1,20 @@
 """Training throughput: our jitted train step vs transformers + torch on the same architecture
 and batch (CPU), measured in one run and reported as a ratio and as a fraction of this CPU's
-measured float32 matmul rate.
+measured matmul rate.
 
-    python bench/train_step.py [--models demo,moe16] [--steps 5] [--batch-size 8]
+    python bench/train_step.py [--models demo,moe16] [--steps 5] [--batch-size 8] [--dtype bfloat16]
 
 Models: "demo" is configs/demo.py (seq 256) without the MTP head (transformers has none);
 "moe16" is the issue's larger shape: the demo with 6 layers, 16 experts top-4, a 16,384-token
 vocabulary and seq 512 (26.7M parameters). Both sides: AdamW, float32 (or, with `--dtype
 bfloat16`, bfloat16 compute over float32 weights: ours via execution.dtype, torch under autocast),
-the same random token batch; the first (compiling / warm-up) step is excluded; each side runs blocks of `--steps` steps
-(one untimed step first), two rounds; the figure is the median step time.
+the same random token batch; the first (compiling / warm-up) step is excluded; each side runs
+blocks of `--steps` steps (one untimed step first), two rounds; the figure is the median step time.
 
 Model FLOPs per step = 3 x (2 x active matmul parameters x tokens + the attention and indexer
 score matmuls as computed: dense over the whole [T, S]), the indexer forward only (it gets no
-gradient). The roofline is the best rate of a 2048^3 float32 matmul measured in this run.
+gradient). The roofline is the best rate of a 2048^3 matmul in the run's dtype (float32
+accumulation) measured in this run.
 """
 
 import argparse
@@ -96,7 +97,8 @@ def model_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
 def matmul_roofline(dtype: str, size: int = 2048, repeats: int = 10) -> float:
     """Best FLOP/s of one [size, size] x [size, size] jitted matmul in dtype on this machine."""
     a = jnp.ones((size, size), dtype)
-    matmul = jax.jit(jnp.matmul)
+    # float32 accumulation: XLA:CPU runs a bfloat16 -> bfloat16 dot in float32 (no AMX).
+    matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     matmul(a, a).block_until_ready()
     best = min(_timed(lambda: matmul(a, a).block_until_ready()) for _ in range(repeats))
     return 2 * size**3 / best
