@@ -13,7 +13,7 @@ from transformers import GlmMoeDsaForCausalLM
 import glm5_jax
 from glm5_jax import CheckpointError, ConfigError
 from glm5_jax.checkpoint import checkpoint_names, read_options
-from glm5_jax.model.options import platform_moe_impl
+from glm5_jax.model.options import platform_moe_impl, platform_scan_unroll
 from glm5_jax.runs import checkpoint_options
 
 
@@ -69,7 +69,8 @@ def test_load_with_dtype_override(saved):
     options = read_options(path, "bfloat16")
     assert options.param_dtype == "bfloat16" and options.dtype == "bfloat16"
     routed = platform_moe_impl(config.num_experts, config.num_experts_per_token)  # this platform's
-    assert checkpoint_options(path) == glm5_jax.ExecutionOptions(moe_impl=routed)  # saved in float32
+    unroll = platform_scan_unroll(config.num_layers)
+    assert checkpoint_options(path) == glm5_jax.ExecutionOptions(moe_impl=routed, scan_unroll=unroll)
     assert params["moe_layers"]["attention"]["q_b_proj"].dtype == np.dtype("bfloat16")
     assert params["moe_layers"]["moe"]["router"].dtype == np.float32  # router stays float32
     logits = glm5_jax.forward(config, params, np.zeros((1, 5), np.int32), options=options)

@@ -10,7 +10,7 @@ from glm5_jax import ConfigError, ModelConfig
 from glm5_jax.checkpoint import config_from_hf, config_to_hf, options_from_hf
 from glm5_jax.config_files import load_config_file, load_execution_options, load_model_config, split_overrides
 from glm5_jax.model.config import MOVED_TO_EXECUTION
-from glm5_jax.model.options import EXECUTION_FIELDS, ExecutionOptions, platform_moe_impl
+from glm5_jax.model.options import EXECUTION_FIELDS, ExecutionOptions, platform_moe_impl, platform_scan_unroll
 from glm5_jax.runs import run_configs
 
 
@@ -94,9 +94,10 @@ def test_entry_points_take_a_config_file_config_or_say_what_they_expect(tiny_con
 def test_hf_dtype_is_storage(tiny_config):
     hf = config_to_hf(tiny_config, "bfloat16")
     assert hf["dtype"] == "bfloat16" and config_from_hf(hf) == tiny_config
-    routed = platform_moe_impl(tiny_config.num_experts, tiny_config.num_experts_per_token)
-    assert options_from_hf(hf) == ExecutionOptions(dtype="bfloat16", param_dtype="bfloat16", moe_impl=routed)
-    assert options_from_hf(hf, "float32") == ExecutionOptions(moe_impl=routed)
+    platform = dict(moe_impl=platform_moe_impl(tiny_config.num_experts, tiny_config.num_experts_per_token),
+                    scan_unroll=platform_scan_unroll(tiny_config.num_layers))
+    assert options_from_hf(hf) == ExecutionOptions(dtype="bfloat16", param_dtype="bfloat16", **platform)
+    assert options_from_hf(hf, "float32") == ExecutionOptions(**platform)
 
 
 def test_routed_experts_default_follows_the_platform():
@@ -104,6 +105,9 @@ def test_routed_experts_default_follows_the_platform():
     assert platform_moe_impl(256, 8, "gpu") == platform_moe_impl(8, 2, "tpu") == "ragged"
     assert platform_moe_impl(8, 2, "cpu") == "dense"  # 4x the chosen experts' FLOPs at most
     assert platform_moe_impl(256, 8, "cpu") == "blocked"
+    # Scanned weights are sliced by copying on a CPU: small models run unrolled there.
+    assert platform_scan_unroll(4, "cpu") == 4 and platform_scan_unroll(78, "cpu") == 1
+    assert platform_scan_unroll(4, "gpu") == platform_scan_unroll(4, "tpu") == 1
 
 
 def test_missing_config_file():

@@ -15,6 +15,7 @@ from glm5_jax.model.paged_decode import (
     paged_cache_bytes_per_page,
     paged_step,
     read_page,
+    serving_layout,
     write_page,
 )
 from glm5_jax.model.transformer import sown_values
@@ -46,6 +47,9 @@ def paged_logits(config, params, sequences, chunk, options=None):
     padded row shape). Returns {sequence: logits [len, V]}."""
     num_pages = len(sequences) * MAX_PAGES + 1
     cache = init_paged_cache(config, num_pages, PAGE)
+    params = serving_layout(config, params, options)  # as the engine's runner holds them
+    unrolled = (options or ExecutionOptions()).scan_unroll >= config.num_moe_layers
+    assert isinstance(params["moe_layers"], tuple) == unrolled
     # Scrambled, interleaved page ownership (page 0 unused by anyone): tables must be followed.
     order = np.random.default_rng(0).permutation(np.arange(1, num_pages))
     tables = order.reshape(len(sequences), MAX_PAGES).astype(np.int32)
@@ -77,8 +81,9 @@ def paged_logits(config, params, sequences, chunk, options=None):
 
 
 @pytest.mark.parametrize("variant,options,chunk", [
+    # Unrolled: the step runs the layers one by one on per-layer weights (serving_layout).
     (dict(attention_types=["dsa", "sliding_window", "dsa", "sliding_window"], sliding_window=5,
-          indexer_types=["full", "full", "shared", "full"]), None, (8, 3, 2)),
+          indexer_types=["full", "full", "shared", "full"]), ExecutionOptions(scan_unroll=4), (8, 3, 2)),
     (dict(num_layers=2, indexer_types=["full"] * 2, attention_types=["sliding_window"] * 2,
           sliding_window=3), ExecutionOptions(moe_impl="blocked"), (3, 4, 1)),
     # The Pallas kernel (interpret mode on CPU) reading pages through the block table.

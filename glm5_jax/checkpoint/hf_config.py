@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from glm5_jax.model.config import ConfigError, ModelConfig, indexer_pattern
-from glm5_jax.model.options import ExecutionOptions, platform_moe_impl
+from glm5_jax.model.options import ExecutionOptions, platform_moe_impl, platform_scan_unroll
 
 MODEL_TYPE = "glm_moe_dsa"
 ARCHITECTURE = "GlmMoeDsaForCausalLM"
@@ -118,11 +118,13 @@ def checkpoint_dtype(hf: dict[str, Any]) -> str:
 
 def options_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ExecutionOptions:
     """Default ExecutionOptions for an HF checkpoint: weights stored and computed in the
-    checkpoint's dtype, or in `dtype` when given; the routed experts run as this platform runs
-    them best (`platform_moe_impl`); every other option at its default."""
+    checkpoint's dtype, or in `dtype` when given; the routed experts and the layer loop run as
+    this platform runs them best (`platform_moe_impl`, `platform_scan_unroll`); every other
+    option at its default."""
     name = dtype or checkpoint_dtype(hf)
     moe_impl = platform_moe_impl(hf.get("n_routed_experts") or 1, hf.get("num_experts_per_tok") or 1)
-    return ExecutionOptions(dtype=name, param_dtype=name, moe_impl=moe_impl)
+    scan_unroll = platform_scan_unroll(hf.get("num_hidden_layers") or 1)
+    return ExecutionOptions(dtype=name, param_dtype=name, moe_impl=moe_impl, scan_unroll=scan_unroll)
 
 
 def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:

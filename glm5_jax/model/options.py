@@ -29,6 +29,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # experts' FLOPs, in a few large matmuls); measured (docs/benchmarks.md): 8 experts top-2,
 # serving 32 requests in-process, dense 1,646 tok/s, blocked 1,154, ragged 1,113.
 CPU_DENSE_EXPERTS_PER_CHOSEN = 4
+# On a CPU, models up to this depth are unrolled by default (platform_scan_unroll).
+CPU_UNROLLED_LAYERS = 16
 
 
 def platform_moe_impl(num_experts: int, experts_per_token: int, platform: str | None = None) -> str:
@@ -39,6 +41,15 @@ def platform_moe_impl(num_experts: int, experts_per_token: int, platform: str | 
     if (platform or jax.default_backend()) != "cpu":
         return "ragged"
     return "dense" if num_experts <= CPU_DENSE_EXPERTS_PER_CHOSEN * experts_per_token else "blocked"
+
+
+def platform_scan_unroll(num_layers: int, platform: str | None = None) -> int:
+    """Layers unrolled per scan iteration for `platform` when nothing chose it: on a CPU all of a
+    model of at most CPU_UNROLLED_LAYERS layers (the slicing of scanned weights is a copy there,
+    and compile time grows with the layers unrolled); elsewhere 1 (XLA:GPU reads a slice of the
+    stacked weights in place)."""
+    on_cpu = (platform or jax.default_backend()) == "cpu"
+    return num_layers if on_cpu and num_layers <= CPU_UNROLLED_LAYERS else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +64,9 @@ class ExecutionOptions:
     # Layers per iteration of each scanned layer stack: 1 keeps a loop (compile time flat in
     # depth); a larger value unrolls that many (all of them when >= the stack's depth), which on
     # a CPU saves the loop's per-layer slicing and stacking of weights and saved activations.
+    # The serving step runs a stack that this covers whole layer by layer on per-layer weight
+    # arrays, split from the stack once when serving starts (paged_decode.serving_layout): no
+    # per-step copy of each layer's weights out of the stack (on a CPU ~18% of a decode step).
     scan_unroll: int = 1
     # Routed-expert computation, all dropless and equal: "ragged" (tokens sorted by expert,
     # lax.ragged_dot: GPU/TPU), "blocked" (sorted rows padded into per-expert blocks, batched

@@ -390,10 +390,24 @@ def _geometry(config: ModelConfig, cache, batch: StepBatch, block_pages: int) ->
                      block_pages)
 
 
+def serving_layout(config: ModelConfig, params, options: ExecutionOptions | None = None):
+    """params as the serving step takes them: each layer stack that options.scan_unroll covers
+    whole becomes a tuple of per-layer params (split once here), which the step runs layer by
+    layer; the others stay stacked [L, ...] and are scanned. A loop over a stack slices each
+    layer's weights out of it every step, which XLA:CPU does by copying them."""
+    unroll = (options or ExecutionOptions()).scan_unroll
+    layout = dict(params)
+    for stack, size in _stack_sizes(config).items():
+        if unroll >= size and not isinstance(params[stack], tuple):
+            layout[stack] = tuple(jax.tree.map(lambda a, i=i: a[i], params[stack]) for i in range(size))
+    return layout
+
+
 def _run_stack(config: ModelConfig, options: ExecutionOptions, geo: _Geometry, stack_params, pools, x,
                selections, kinds: _StackKinds, ffn: str):
-    """Scans one stack of layers over the step's tokens. stack_params: layer params with a
-    leading [L] axis; pools: the stack's flat cache {name: [L * P, page, F]}; x: [T, 1, D];
+    """Runs one stack of layers over the step's tokens. stack_params: layer params with a
+    leading [L] axis (scanned), or a tuple of L layers' params (run one by one, see
+    `serving_layout`); pools: the stack's flat cache {name: [L * P, page, F]}; x: [T, 1, D];
     selections: per group [B, T, k] (IndexShare's previous selection). Returns (x, selections, pools)."""
     dtype, backend, block_pages = options.compute_dtype, options.decode_attention_impl, geo.block_pages
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
@@ -466,6 +480,11 @@ def _run_stack(config: ModelConfig, options: ExecutionOptions, geo: _Geometry, s
         x = x + _feed_forward(config, options, layer, normed, ffn)
         return (x, selected, layer_cache), None
 
+    if isinstance(stack_params, tuple):
+        carry = (x, selections, pools)
+        for index, layer in enumerate(stack_params):
+            carry, _ = layer_step(carry, (layer, index, kinds.run[index], kinds.sliding[index]))
+        return carry
     # The scan carries the flat pools (updated in place); scanning over [L, ...] slices of them
     # would copy the pool every step.
     (x, selections, pools), _ = jax.lax.scan(
@@ -534,11 +553,10 @@ def paged_mtp_step(config: ModelConfig, params, cache, batch: StepBatch, hidden,
     previous = rms_norm(hidden.astype(dtype), mtp["hnorm"]["scale"], eps)
     x = linear(jnp.concatenate([embedded, previous], axis=-1), mtp["eh_proj"], options.quantized_matmul,
                dtype)[:, None, :]
-    layer = jax.tree.map(lambda a: a[None], mtp["layer"])  # a stack of one MoE layer that runs its indexer
-    kinds = _StackKinds("full", jnp.ones((1,), bool), jnp.zeros((1,), bool), True)
+    kinds = _StackKinds("full", jnp.ones((1,), bool), jnp.zeros((1,), bool), True)  # one DSA MoE layer
     new_cache = dict(cache)
-    x, _, new_cache["mtp"] = _run_stack(config, options, geo, layer, cache["mtp"], x, _no_selection(geo),
-                                        kinds, "moe")
+    x, _, new_cache["mtp"] = _run_stack(config, options, geo, (mtp["layer"],), cache["mtp"], x,
+                                        _no_selection(geo), kinds, "moe")
     out = rms_norm(x[sample_rows, 0], mtp["final_norm"]["scale"], eps)
     return _logits(config, params, out, dtype), out, new_cache
 

@@ -32,6 +32,7 @@ from glm5_jax.model.paged_decode import (
     init_paged_cache,
     paged_step,
     read_page,
+    serving_layout,
     write_page,
 )
 from glm5_jax.parallel import constrain
@@ -199,7 +200,7 @@ class ModelRunner:
         self.mesh = mesh
         if mesh is not None:
             params = jax.device_put(params, serving_param_shardings(config, mesh, params))
-        self.params = params
+        self.params = serving_layout(config, params, options)  # per-layer arrays when unrolled
         self.options = options
         self.max_slots = max_slots
         self.page_size = page_size
