@@ -9,8 +9,8 @@ a chat template) or a train.py run directory (checkpoints/, tokenizer.json). Any
 works: point its base_url at http://HOST:PORT/v1 and use the served model id (by default the
 checkpoint directory's name) or one of its aliases. `--server-config FILE` (configs/serve_example.py)
 gives aliases, API keys and per-key rate limits; /metrics serves Prometheus metrics. Execution
-options (--dtype, --moe-impl, --attention-impl, --indexer-impl, --decode-attention-impl,
---quantized-matmul) start
+options (--dtype, --moe-impl, --scan-unroll, --attention-impl, --indexer-impl,
+--decode-attention-impl, --quantized-matmul) start
 from the checkpoint's (a run's `execution` section, an HF checkpoint's stored dtype), e.g.
 `--decode-attention-impl pallas` serves through the Pallas ragged paged-attention kernel.
 `--mesh tensor=2,expert=4` serves on a device mesh (the syntax of `python -m glm5_jax.plan
@@ -38,8 +38,8 @@ DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 MOE_IMPL_CHOICES = ("ragged", "blocked", "dense", "pallas")
 KERNEL_IMPL_CHOICES = ("reference", "pallas")
 QUANTIZED_MATMUL_CHOICES = ("dequantize", "native", "pallas")
-EXECUTION_FLAGS = ("dtype", "moe_impl", "attention_impl", "indexer_impl", "decode_attention_impl",
-                   "quantized_matmul")
+EXECUTION_FLAGS = ("dtype", "moe_impl", "scan_unroll", "attention_impl", "indexer_impl",
+                   "decode_attention_impl", "quantized_matmul")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,6 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="routed-expert computation: ragged (GPU/TPU), blocked, dense (CPU, few "
                             "experts per chosen one) or pallas (grouped-matmul kernel); an HF checkpoint's "
                             "default: this platform's (ragged on GPU/TPU; dense or blocked on a CPU)")
+    group.add_argument("--scan-unroll", type=int, default=None, metavar="N",
+                       help="layers per iteration of each layer stack's loop; a stack of at most N layers "
+                            "runs layer by layer on per-layer weights (no per-step copy of each layer's "
+                            "weights out of the stack: faster on a CPU, compile time grows with N); an HF "
+                            "checkpoint's default: its depth on a CPU up to 16 layers, else 1")
     group.add_argument("--attention-impl", choices=KERNEL_IMPL_CHOICES, default=None,
                        help="full-sequence attention: reference (jnp) or pallas (the paged serving step "
                             "uses --decode-attention-impl; kept for tools sharing these options)")
@@ -271,7 +276,8 @@ def main(argv=None) -> int:
     on = f", mesh {args.mesh}" if args.mesh else ""
     print(f"serving {model_id!r}{aliases} from {checkpoint} at http://{args.host}:{args.port}/v1 "
           f"(max_context {engine.max_context}, {args.max_slots} slots{on}, metrics at /metrics; "
-          f"{options.dtype}, moe_impl {options.moe_impl}, decode attention {options.decode_attention_impl})",
+          f"{options.dtype}, moe_impl {options.moe_impl}, scan_unroll {options.scan_unroll}, "
+          f"decode attention {options.decode_attention_impl})",
           flush=True)
     if feedback_log is not None:
         print(f"collecting feedback in {feedback_log.path} (POST /v1/feedback)", flush=True)
