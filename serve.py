@@ -266,6 +266,7 @@ def main(argv=None) -> int:
                     prefix_caching=args.prefix_caching, host_cache_pages=args.host_cache_pages,
                     max_waiting=args.max_waiting or None, decode_steps=args.decode_steps, observer=metrics,
                     options=options, mesh=placed.get("mesh"), speculative_tokens=args.speculative_tokens)
+    del params  # the engine holds what it serves (per-layer arrays when unrolled): free the loaded stacks
     app = create_app(engine, model_id, api_key=args.api_key, chat_template=load_chat_template(checkpoint),
                      special_tokens=load_special_tokens(checkpoint), server_config=server_config,
                      metrics=metrics, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
