@@ -325,6 +325,7 @@ def _plan_serve(args, config, options, mesh, rules):
         init_paged_cache,
         paged_cache_bytes_per_page,
         paged_step,
+        serving_layout,
     )
     from glm5_jax.model.transformer import param_shapes
     from glm5_jax.parallel import collectives, sharding
@@ -343,6 +344,7 @@ def _plan_serve(args, config, options, mesh, rules):
     params_sharding = sharding.serving_param_shardings(config, mesh, params)
     params_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                              params, params_sharding)
+    params_in = serving_layout(config, params_in, options)  # as the engine's runner holds them
     cache = jax.eval_shape(lambda: init_paged_cache(config, num_pages, page_size, options.compute_dtype))
     whole = sharding.replicated(mesh)
     cache_shardings = jax.tree.map(lambda leaf: whole, cache)  # every device's heads read the latent

@@ -47,11 +47,11 @@ def test_mesh_serving_equals_one_device(results):
 
 def test_plan_serve_places_weights_as_the_server_does():
     """`plan --serve` compiles the step serve.py --mesh runs (FP8 weights split like the
-    runner's, the page pool replicated) and reports per-device memory."""
+    runner's, per layer when unrolled; the page pool replicated) and reports per-device memory."""
     run = subprocess.run([sys.executable, "-m", "glm5_jax.plan", "--config", "configs/tiny.py", "--serve",
                           "--mesh", "tensor=2,expert=4", "--batch", "4", "--context", "64",
                           "--page-size", "4",
-                          "--quantize", "fp8", "--top", "40"],
+                          "--quantize", "fp8", "--top", "40", "--set", "scan_unroll=8"],  # per-layer weights
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     out = run.stdout

@@ -399,8 +399,20 @@ def serving_layout(config: ModelConfig, params, options: ExecutionOptions | None
     layout = dict(params)
     for stack, size in _stack_sizes(config).items():
         if unroll >= size and not isinstance(params[stack], tuple):
-            layout[stack] = tuple(jax.tree.map(lambda a, i=i: a[i], params[stack]) for i in range(size))
+            layout[stack] = tuple(jax.tree.map(lambda a, i=i: _layer_of(a, i), params[stack])
+                                  for i in range(size))
     return layout
+
+
+def _layer_of(weights, index: int):
+    """Layer `index` of stacked weights [L, ...]; of a ShapeDtypeStruct (planning), its shape and
+    sharding without the (unsplit) layer axis."""
+    if not isinstance(weights, jax.ShapeDtypeStruct):
+        return weights[index]
+    sharding = weights.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return jax.ShapeDtypeStruct(weights.shape[1:], weights.dtype, sharding=sharding)
 
 
 def _run_stack(config: ModelConfig, options: ExecutionOptions, geo: _Geometry, stack_params, pools, x,
