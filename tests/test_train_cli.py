@@ -47,9 +47,15 @@ def run_train(workdir, data_glob, *overrides, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def loss_lines(workdir) -> list[dict]:
+    """metrics.jsonl's training-loss records in order (a resumed run appends the steps it redoes)."""
+    path = Path(workdir) / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [line for line in lines if "loss" in line]
+
+
 def losses(workdir) -> dict[int, float]:
-    lines = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-    return {line["step"]: line["loss"] for line in lines if "loss" in line}
+    return {line["step"]: line["loss"] for line in loss_lines(workdir)}
 
 
 def wait_for(predicate, process, timeout=240):
@@ -59,7 +65,7 @@ def wait_for(predicate, process, timeout=240):
             return
         if process.poll() is not None:
             raise AssertionError(f"train.py exited early:\n{process.stdout.read()}")
-        time.sleep(0.2)
+        time.sleep(0.05)  # steps take ~0.1 s on a fast CPU: act before the run ends
     raise AssertionError("timed out")
 
 
@@ -77,14 +83,16 @@ def test_exact_resume_after_sigkill_and_sigterm(tmp_path, data_glob, uninterrupt
     # 1. SIGKILL once step 6 is logged: checkpoint 4 is complete, steps 5-6 are lost.
     process = subprocess.Popen(train_command(workdir, data_glob), cwd=ROOT, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    wait_for(lambda: (workdir / "metrics.jsonl").exists() and max(losses(workdir), default=0) >= 6,
-             process)
+    wait_for(lambda: max(losses(workdir), default=0) >= 6, process)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    # 2. Resume; SIGTERM after step 9: it saves and exits cleanly.
+    # 2. Resume; SIGTERM once the resumed run has logged two steps of its own (its handler is
+    # set; the killed run's lines alone could already reach any step): it saves and exits cleanly.
+    logged = len(loss_lines(workdir))
+    assert max(losses(workdir)) < 12, "the first run finished before SIGKILL; nothing to resume"
     process = subprocess.Popen(train_command(workdir, data_glob), cwd=ROOT, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    wait_for(lambda: max(losses(workdir), default=0) >= 9, process)
+    wait_for(lambda: len(loss_lines(workdir)) >= logged + 2, process)
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
