@@ -59,6 +59,10 @@ def add_execution_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--moe-impl", choices=MOE_IMPLS, default=None,
                        help="routed-expert computation: ragged (GPU/TPU), blocked, dense (CPU), pallas; "
                             "an HF checkpoint's default: this platform's (options.platform_moe_impl)")
+    group.add_argument("--scan-unroll", type=int, default=None, metavar="N",
+                       help="layers per iteration of each layer stack's loop; the serving step runs a stack "
+                            "of at most N layers on per-layer weights (an HF checkpoint's default: "
+                            "options.platform_scan_unroll)")
     group.add_argument("--attention-impl", choices=KERNEL_IMPLS, default=None,
                        help="prefill/training attention: reference (jnp) or pallas kernels")
     group.add_argument("--indexer-impl", choices=KERNEL_IMPLS, default=None,
@@ -71,6 +75,6 @@ def add_execution_flags(parser: argparse.ArgumentParser) -> None:
 def execution_from_flags(args: argparse.Namespace, base: ExecutionOptions | None = None) -> ExecutionOptions:
     """`base` (default: the defaults) with the flags of `add_execution_flags` that were given."""
     changes = {name: getattr(args, name) for name in
-               ("dtype", "moe_impl", "attention_impl", "indexer_impl", "decode_attention_impl")
+               ("dtype", "moe_impl", "scan_unroll", "attention_impl", "indexer_impl", "decode_attention_impl")
                if getattr(args, name, None) is not None}
     return (base or ExecutionOptions()).replace(**changes)
