@@ -12,8 +12,9 @@ the same random token batch; the first (compiling / warm-up) step is excluded; e
 blocks of `--steps` steps (one untimed step first), two rounds; the figure is the median step time.
 
 Model FLOPs per step = 3 x (2 x active matmul parameters x tokens + the attention and indexer
-score matmuls as computed: dense over the whole [T, S]), the indexer forward only (it gets no
-gradient). The roofline is the best rate of a 2048^3 matmul in the run's dtype (float32
+score matmuls counted dense over the whole [T, S]), the indexer forward only (it gets no
+gradient); with `execution.causal_blocks` n > 1 the attention computes about (n + 1) / 2n of
+its [T, S] part. The roofline is the best rate of a 2048^3 matmul in the run's dtype (float32
 accumulation) measured in this run.
 """
 
@@ -124,7 +125,8 @@ def compare(name: str, run_config, args, roofline: float) -> list[str]:
     flops = model_flops(config, args.batch_size, seq_len)
     millions = glm5_jax.count_params(config)["total"] / 1e6
     print(f"\n{name}: {millions:.1f}M parameters, batch {args.batch_size} x {seq_len}, "
-          f"{flops / 1e9:.1f} GFLOP per step; {options.dtype=}, {options.moe_impl=}, {options.scan_unroll=}",
+          f"{flops / 1e9:.1f} GFLOP per step; {options.dtype=}, {options.moe_impl=}, {options.scan_unroll=}, "
+          f"{options.causal_blocks=}",
           flush=True)
     steps = {"transformers": transformers_step(config, settings, args.dtype),
              "glm5_jax": ours(config, options, settings)}

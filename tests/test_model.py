@@ -101,6 +101,29 @@ def test_dsa_with_topk_covering_all_keys_is_causal_attention(tiny_config, tiny_p
     assert not np.allclose(sparse, dense, atol=1e-3)
 
 
+def test_causal_blocks_equal_one_block(tiny_config, tiny_params):
+    """Attention in query blocks (each against the keys up to its own end) gives the logits and
+    gradients of one [T, S] block: packed documents, DSA top-k and a sliding-window layer."""
+    config = tiny_config.replace(attention_types=["dsa", "sliding_window", "dsa", "dsa"], sliding_window=5)
+    rng = np.random.default_rng(6)
+    ids = rng.integers(0, 256, (2, 16))
+    segments = np.array([[0] * 9 + [1] * 7, [0] * 16])
+    positions = np.array([list(range(9)) + list(range(7)), list(range(16))])
+
+    def loss_and_grads(blocks):
+        options = glm5_jax.ExecutionOptions(causal_blocks=blocks)
+        def loss(params):
+            logits = glm5_jax.forward(config, params, ids, positions, segments, options=options)
+            return jnp.sum(jax.nn.log_softmax(logits)[..., 0]), logits
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(tiny_params)
+
+    (_, one_block), grads = loss_and_grads(1)
+    (_, four_blocks), block_grads = loss_and_grads(4)
+    np.testing.assert_allclose(four_blocks, one_block, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), block_grads, grads)
+    assert np.abs(np.asarray(grads["moe_layers"]["attention"]["q_b_proj"])).max() > 0
+
+
 def test_sliding_window_limits_the_receptive_field(tiny_config, tiny_params):
     """With window w in all 4 layers, position t sees tokens back to t - 4 (w - 1) only."""
     config = tiny_config.replace(attention_types=["sliding_window"] * 4, sliding_window=3)

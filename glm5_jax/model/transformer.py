@@ -38,7 +38,8 @@ def attention_spec(config: ModelConfig, options: ExecutionOptions) -> AttentionS
         v_head_dim=config.v_head_dim, latent_norm_eps=config.latent_norm_eps,
         sliding_window=config.sliding_window, rope_theta=config.rope_theta,
         initializer_range=config.initializer_range, indexer=indexer,
-        attention_impl=options.attention_impl, dsa_stage=options.dsa_stage)
+        attention_impl=options.attention_impl, dsa_stage=options.dsa_stage,
+        causal_blocks=options.causal_blocks)
 
 
 def moe_spec(config: ModelConfig, options: ExecutionOptions) -> MoESpec:
