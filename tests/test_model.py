@@ -10,7 +10,7 @@ from reference import random_params
 
 import glm5_jax
 from glm5_jax.config_files import load_model_config
-from glm5_jax.model.layers import apply_rope, rope_angles
+from glm5_jax.model.layers import apply_rope, rope_angles, vocab_logits
 from glm5_jax.model.moe import (
     MoESpec,
     route,
@@ -211,6 +211,30 @@ def test_group_limited_routing_by_hand():
     sig = jax.nn.sigmoid(jnp.array([2.0, -3.0]))
     np.testing.assert_allclose(sorted(np.asarray(weights[0])), sorted(2 * sig / sig.sum()),
                                rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_vocab_logits_gradients_equal_the_einsums(dtype):
+    """The LM head's custom backward (contiguous x^T for the weight gradient) gives autodiff's
+    gradients of the plain einsum, in their input dtypes."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(2, 5, 8)), dtype)
+    head = jnp.asarray(rng.normal(size=(8, 11)), dtype)
+    weights = jnp.asarray(rng.normal(size=(2, 5, 11)), jnp.float32)
+
+    def plain(x, head):
+        return jnp.einsum("BTD,DV->BTV", x, head, preferred_element_type=jnp.float32)
+
+    def loss(fn, x, head):
+        return jnp.sum(jnp.tanh(fn(x, head)) * weights)
+
+    np.testing.assert_array_equal(vocab_logits(x, head), plain(x, head))
+    ours = jax.grad(functools.partial(loss, vocab_logits), argnums=(0, 1))(x, head)
+    autodiff = jax.grad(functools.partial(loss, plain), argnums=(0, 1))(x, head)
+    for got, want in zip(ours, autodiff, strict=True):
+        assert got.dtype == want.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5, atol=1e-5)
 
 
 def test_interleaved_rope_is_a_complex_rotation():

@@ -16,7 +16,7 @@ import numpy as np
 
 from glm5_jax.model.config import ModelConfig, as_model_config
 from glm5_jax.model.dsa import IndexerSpec
-from glm5_jax.model.layers import MLP, RMSNorm, declare_weight, normal_init
+from glm5_jax.model.layers import MLP, RMSNorm, declare_weight, normal_init, vocab_logits
 from glm5_jax.model.mla import AttentionSpec, LayerKinds, MLAttention
 from glm5_jax.model.moe import MoE, MoESpec
 from glm5_jax.model.options import ExecutionOptions, as_options
@@ -193,8 +193,7 @@ class MTPHead(nn.Module):
         (x, _), _ = DecoderLayer(config, self.options, "moe", name="layer")(
             (x, no_indices), positions, segment_ids, True, False)
         x = RMSNorm(config.rms_norm_eps, param_dtype, name="final_norm")(x)
-        return jnp.einsum("BTD,DV->BTV", x, lm_head.astype(x.dtype),
-                          preferred_element_type=jnp.float32)
+        return vocab_logits(x, lm_head.astype(x.dtype))
 
 
 class Transformer(nn.Module):
@@ -247,8 +246,7 @@ class Transformer(nn.Module):
         hidden = RMSNorm(config.rms_norm_eps, param_dtype, name="final_norm")(x)
         lm_head = declare_weight(self, "lm_head", (config.hidden_size, config.vocab_size),
                                  ("embed", "vocab"), param_dtype, init)
-        logits = jnp.einsum("BTD,DV->BTV", hidden, lm_head.astype(dtype),
-                            preferred_element_type=jnp.float32)
+        logits = vocab_logits(hidden, lm_head.astype(dtype))
         outputs = {"logits": logits, "hidden": hidden}
         if with_mtp and config.num_mtp_layers:
             # On all T positions, so the MTP layer's length splits over `context` like the others'
