@@ -5,8 +5,9 @@
 The config file's `get_config()` returns an ml_collections ConfigDict with these parts:
   model.*      the architecture (see glm5_jax/model/config.py; e.g. --config.model.num_layers=6)
   execution.*  how it runs (optional; glm5_jax/model/options.py): dtype, param_dtype, remat,
-               moe_impl, attention_impl, indexer_impl, decode_attention_impl, expert_dispatch,
-               expert_capacity_factor, pipeline_microbatches (e.g. --config.execution.remat=full)
+               scan_unroll, causal_blocks, moe_impl, attention_impl, indexer_impl,
+               decode_attention_impl, expert_dispatch, expert_capacity_factor, pipeline_microbatches
+               (e.g. --config.execution.remat=full)
   data.*       sources (python_stdlib | files | jsonl | chat_jsonl, with weights; chat_jsonl trains on
                assistant turns only, rendered with the run's chat template), tokenizer_path ("" trains a
                byte-level BPE of data.vocab_size on the sources, cached in data.cache_dir, or
