@@ -50,12 +50,14 @@ def vocab_logits(x: jax.Array, lm_head: jax.Array) -> jax.Array:
     whose partitioning GSPMD chooses (the copy would make it gather x)."""
     if jax.sharding.get_abstract_mesh().empty:
         return _vocab_logits_contiguous(x, lm_head)
+    return _vocab_einsum(x, lm_head)
+
+
+def _vocab_einsum(x, lm_head):
     return jnp.einsum("BTD,DV->BTV", x, lm_head, preferred_element_type=jnp.float32)
 
 
-@jax.custom_vjp
-def _vocab_logits_contiguous(x, lm_head):
-    return jnp.einsum("BTD,DV->BTV", x, lm_head, preferred_element_type=jnp.float32)
+_vocab_logits_contiguous = jax.custom_vjp(_vocab_einsum)
 
 
 def _vocab_logits_forward(x, lm_head):
