@@ -90,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--host-cache-pages", type=int, default=0,
                         help="host-memory pages that evicted prefix pages are offloaded to (default: 0, "
                              "no offload)")
+    parser.add_argument("--reuse-host-memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep freed host memory for reuse (glibc malloc: one heap, never trimmed), so "
+                             "a CPU step's temporaries do not page-fault in again each step; the process "
+                             "keeps its peak memory (default: on; glm5_jax/host_memory.py)")
     parser.add_argument("--mesh", default=None, metavar="AXES",
                         help="serve on a device mesh, e.g. tensor=2,expert=4 or expert=8 (axes tensor, "
                              "expert, data; sizes multiply to the device count; default: one device)")
@@ -229,6 +233,10 @@ def mesh_shardings(text: str, placed: dict, config, params=None):
 def main(argv=None) -> int:
     """Serves until stopped: 0 after Ctrl-C / SIGTERM, 1 when the engine failed."""
     args = parse_args(argv)
+    if args.reuse_host_memory:  # before JAX starts its CPU threads
+        from glm5_jax.host_memory import reuse_freed_memory
+
+        reuse_freed_memory()
     checkpoint = resolve_checkpoint(args.checkpoint)
     server_config = read_server_config(args.server_config)  # before the slow model load
     feedback_log = open_feedback_log(args.feedback_dir)

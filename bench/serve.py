@@ -15,7 +15,8 @@ transformers 5.24: `generate` with the same batch, prompt and token count (greed
 same prompt (jitted, compiled first) is timed too, and the engine in this process (no HTTP) on the
 same N-client workload, with where each HTTP round's CPU time went. Then serve.py restarts at each --contexts
 value and 8 clients measure decode tok/s (steady-state gaps between streamed tokens), which
-should not depend on --max-context. Writes a markdown table (and --out JSON).
+should not depend on --max-context. Writes a markdown table (and --out JSON). This process and
+serve.py run under glm5_jax/host_memory.py's malloc policy (off: --no-reuse-host-memory).
 """
 
 from __future__ import annotations
@@ -304,10 +305,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="repeats per figure (median)")
     parser.add_argument("--quick", action="store_true", help="8 clients, 1 round, no context sweep")
     parser.add_argument("--out", default=None, help="also write the figures as JSON here")
+    parser.add_argument("--reuse-host-memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="glm5_jax.host_memory's malloc policy for this process (transformers and the "
+                             "in-process engine) and, off, --no-reuse-host-memory for serve.py (default: on)")
     parser.add_argument("serve_args", nargs=argparse.REMAINDER,
                         help="extra serve.py flags after --, e.g. -- --decode-steps 8")
     args = parser.parse_args()
     args.serve_args = [a for a in args.serve_args if a != "--"]
+    if args.reuse_host_memory:  # both sides alike, before JAX and torch start their threads
+        from glm5_jax.host_memory import reuse_freed_memory
+
+        reuse_freed_memory()
+    else:
+        args.serve_args.append("--no-reuse-host-memory")
     if args.quick:
         args.clients, args.rounds, args.contexts = 8, 1, []
     rng = np.random.default_rng(0)

@@ -10,6 +10,8 @@ vocabulary and seq 512 (26.7M parameters). Both sides: AdamW, float32 (or, with 
 bfloat16`, bfloat16 compute over float32 weights: ours via execution.dtype, torch under autocast),
 the same random token batch; the first (compiling / warm-up) step is excluded; each side runs
 blocks of `--steps` steps (one untimed step first), two rounds; the figure is the median step time.
+Both sides run under train.py's host malloc policy (glm5_jax/host_memory.py; off with
+--no-reuse-host-memory).
 
 Model FLOPs per step = 3 x (2 x active matmul parameters x tokens + the attention and indexer
 score matmuls counted dense over the whole [T, S]), the indexer forward only (it gets no
@@ -35,6 +37,7 @@ from reference import hf_config  # noqa: E402
 
 import glm5_jax  # noqa: E402
 from glm5_jax.config_files import load_config_file  # noqa: E402
+from glm5_jax.host_memory import reuse_freed_memory  # noqa: E402
 from glm5_jax.model import ModelConfig  # noqa: E402
 from glm5_jax.model.options import ExecutionOptions  # noqa: E402
 from glm5_jax.train.optimizer import make_optimizer  # noqa: E402
@@ -157,7 +160,12 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="compute dtype of both sides (bfloat16: ours with execution.dtype, torch under "
                              "autocast; weights and optimizer float32 on both)")
+    parser.add_argument("--reuse-host-memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="glm5_jax.host_memory's malloc policy (as train.py applies it) for this "
+                             "process, so for both sides (default: on)")
     args = parser.parse_args()
+    if args.reuse_host_memory:  # before JAX and torch start their threads
+        reuse_freed_memory()
     run_config = load_config_file(args.config)
     roofline = matmul_roofline(args.dtype)
     print(f"jax {jax.__version__} / torch {torch.__version__}, {torch.get_num_threads()} torch threads; "
