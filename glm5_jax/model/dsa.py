@@ -148,12 +148,73 @@ def select_topk(scores: jax.Array, allowed: jax.Array, topk: int) -> tuple[jax.A
     return jax.lax.stop_gradient(indices.astype(jnp.int32)), jax.lax.stop_gradient(gap)
 
 
+def _order_keys(values: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same total order as lax.top_k's (-0 below +0)."""
+    bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _order_values(keys: jax.Array) -> jax.Array:
+    """The inverse of `_order_keys`."""
+    bits = jnp.where(keys >> 31 == 1, keys & jnp.uint32((1 << 31) - 1), ~keys)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def kth_largest_key(keys: jax.Array, k: jax.Array | int) -> jax.Array:
+    """The k-th largest of each row of uint32 keys [..., S] -> [...]: built bit by bit from the
+    top, keeping a bit when at least k keys reach the value so far (32 counting passes)."""
+    found = jnp.zeros(keys.shape[:-1], jnp.uint32)
+    for bit in range(31, -1, -1):
+        candidate = found | jnp.uint32(1 << bit)
+        found = jnp.where(jnp.sum(keys >= candidate[..., None], axis=-1) >= k, candidate, found)
+    return found
+
+
+def select_topk_mask(scores: jax.Array, allowed: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
+    """`select_topk`'s selection as a mask, without sorting: `allowed & selection_mask(indices)`
+    and the same boundary gap.
+
+    The k-th largest allowed score of each query comes from a bisection on its bits
+    (`kth_largest_key`); the keys above it are selected, and of the keys equal to it the lowest
+    positions, as many as are still needed (lax.top_k's rule; exact zeros from the ReLUs do tie).
+    On a CPU several times cheaper than lax.top_k (docs/benchmarks.md).
+    scores: [B, T, S] float32; allowed: bool [B, T, S].
+    Returns (selected bool [B, T, S], boundary gap [B, T] float32).
+    """
+    num_keys = scores.shape[-1]
+    k = min(topk, num_keys)
+    if k == num_keys:
+        return allowed, jnp.full(scores.shape[:2], jnp.inf, jnp.float32)
+    masked = jnp.where(allowed, scores, NEG_INF)
+    keys = _order_keys(masked)
+    kth = kth_largest_key(keys, k)[..., None]  # [B, T, 1]
+    above, tied = keys > kth, keys == kth
+    needed = k - jnp.sum(above, axis=-1, keepdims=True)  # >= 1 of the tied keys
+    # The tied keys' ranks by position (an associative scan: jnp.cumsum is 3x slower on a CPU).
+    tie_rank = jax.lax.associative_scan(jnp.add, tied.astype(jnp.int32), axis=-1)
+    selected = allowed & (above | (tied & (tie_rank <= needed)))
+    # The (k+1)-th largest: the k-th itself when more than k keys reach it, else the largest below.
+    kth_value = _order_values(kth[..., 0])
+    reaching = k - needed[..., 0] + jnp.sum(tied, axis=-1)
+    below = jnp.max(jnp.where(keys < kth, masked, NEG_INF), axis=-1)
+    next_value = jnp.where(reaching > k, kth_value, below)
+    gap = jnp.where(jnp.isneginf(next_value), jnp.inf, kth_value - next_value)
+    return selected, jax.lax.stop_gradient(gap)
+
+
 def select_topk_local(scores: jax.Array, allowed: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
     """`select_topk` per device on its own rows and queries (run_local). Under a mesh XLA's SPMD
     partitioner would all-gather a top_k operand split along an axis other than the sorted one
     (here the [B, T, S] scores, split over the batch axes and `context`). Same shapes."""
     rows = kernel_calls.QUERY_ROWS
     return run_local(functools.partial(select_topk, topk=topk), (scores, allowed), (rows, rows),
+                     (rows, ("batch", "length")))
+
+
+def select_topk_mask_local(scores: jax.Array, allowed: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
+    """`select_topk_mask` per device on its own rows and queries (run_local). Same shapes."""
+    rows = kernel_calls.QUERY_ROWS
+    return run_local(functools.partial(select_topk_mask, topk=topk), (scores, allowed), (rows, rows),
                      (rows, ("batch", "length")))
 
 
@@ -184,13 +245,15 @@ class Indexer(nn.Module):
 
     @nn.compact
     def __call__(self, x, q_latent, cos, sin, allowed, run, previous_indices, positions=None,
-                 segment_ids=None, with_scores: bool = False):
+                 segment_ids=None, with_scores: bool = False, with_mask: bool = False):
         """Selects keys on layers that run the indexer; other layers reuse `previous_indices`.
 
         x: [B, T, D]; q_latent: [B, T, R]; cos, sin: [B, T, rope_dim/2]; allowed: bool [B, T, S]
         (impl "reference"; None with impl "pallas", which reads positions, segment_ids [B, T]);
         run: bool scalar (traced under scan) or a Python bool; previous_indices: [B, T, k].
         Returns (topk indices [B, T, k] int32, boundary gap [B, T]); see `select_topk`. With
+        with_mask (impl "reference"), also the selection as a mask, `allowed & selected` [B, T, S]
+        (`select_topk_mask`: no sort; the indices, sorted, are then only computed if used). With
         with_scores (impl "reference"), also the scores [B, T, S] (zeros where the layer reuses),
         differentiable in the indexer's weights: DSA training's KL (dsa_training.py).
         """
@@ -220,11 +283,15 @@ class Indexer(nn.Module):
                 jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), cos, sin, wq_b, wk,
                 k_norm_scale, k_norm_bias, weights_proj, rope_dim=spec.qk_rope_head_dim,
                 norm_eps=spec.index_norm_eps)
-            selected = select_topk_local(scores, allowed, spec.index_topk)
-            return (*selected, scores) if with_scores else selected
+            indices, gap = select_topk_local(scores, allowed, spec.index_topk)
+            if with_mask:
+                mask, gap = select_topk_mask_local(scores, allowed, spec.index_topk)
+            return (indices, gap) + ((mask,) if with_mask else ()) + ((scores,) if with_scores else ())
 
         def reuse_previous():
             reused = previous_indices, jnp.full(x.shape[:2], jnp.inf, jnp.float32)
+            if with_mask:
+                reused += (allowed & selection_mask_local(previous_indices, allowed.shape[-1]),)
             return (*reused, jnp.zeros(allowed.shape, jnp.float32)) if with_scores else reused
 
         if isinstance(run, bool):

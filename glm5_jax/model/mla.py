@@ -28,7 +28,6 @@ from glm5_jax.model.dsa import (
     IndexerSpec,
     base_mask,
     query_slice,
-    selection_mask_local,
     sliding_window_mask,
     whole_sequence,
 )
@@ -252,9 +251,9 @@ class MLAttention(nn.Module):
         by_index = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
         causal = query_slice(base_mask(positions, segment_ids, key_positions, key_segment_ids) & by_index)
         training_dsa = spec.dsa_stage != "off"
-        indices, gap, *scores = indexer(x, q_latent, cos, sin, causal, kinds.run_indexer, previous_indices,
-                                        positions, segment_ids, with_scores=training_dsa)
-        top_k = causal & selection_mask_local(indices, causal.shape[-1])
+        indices, gap, top_k, *scores = indexer(x, q_latent, cos, sin, causal, kinds.run_indexer,
+                                               previous_indices, positions, segment_ids,
+                                               with_scores=training_dsa, with_mask=True)
         # The dense warm-up attends to every causal key; otherwise DSA layers attend to the top-k.
         dsa_allowed = causal if spec.dsa_stage == "dense_warmup" else top_k
         if spec.sliding_window > 0 and kinds.sliding is not False:
