@@ -5,7 +5,7 @@
 The config file's `get_config()` returns an ml_collections ConfigDict with these parts:
   model.*      the architecture (see glm5_jax/model/config.py; e.g. --config.model.num_layers=6)
   execution.*  how it runs (optional; glm5_jax/model/options.py): dtype, param_dtype, remat,
-               scan_unroll, causal_blocks, moe_impl, attention_impl, indexer_impl,
+               scan_unroll, causal_block_size, moe_impl, attention_impl, indexer_impl,
                decode_attention_impl, expert_dispatch, expert_capacity_factor, pipeline_microbatches
                (e.g. --config.execution.remat=full)
   data.*       sources (python_stdlib | files | jsonl | chat_jsonl, with weights; chat_jsonl trains on

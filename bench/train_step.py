@@ -15,9 +15,9 @@ Both sides run under train.py's host malloc policy (glm5_jax/host_memory.py; off
 
 Model FLOPs per step = 3 x (2 x active matmul parameters x tokens + the attention and indexer
 score matmuls counted dense over the whole [T, S]), the indexer forward only (it gets no
-gradient); with `execution.causal_blocks` n > 1 the attention computes about (n + 1) / 2n of
-its [T, S] part. The roofline is the best rate of a 2048^3 matmul in the run's dtype (float32
-accumulation) measured in this run.
+gradient); with `execution.causal_block_size` giving n > 1 query blocks the attention computes
+about (n + 1) / 2n of its [T, S] part. The roofline is the best rate of a 2048^3 matmul in the
+run's dtype (float32 accumulation) measured in this run.
 """
 
 import argparse
@@ -129,7 +129,7 @@ def compare(name: str, run_config, args, roofline: float) -> list[str]:
     millions = glm5_jax.count_params(config)["total"] / 1e6
     print(f"\n{name}: {millions:.1f}M parameters, batch {args.batch_size} x {seq_len}, "
           f"{flops / 1e9:.1f} GFLOP per step; {options.dtype=}, {options.moe_impl=}, {options.scan_unroll=}, "
-          f"{options.causal_blocks=}",
+          f"{options.causal_block_size=}",
           flush=True)
     steps = {"transformers": transformers_step(config, settings, args.dtype),
              "glm5_jax": ours(config, options, settings)}

@@ -49,6 +49,7 @@ def test_unknown_field_is_named(tiny_config):
     (dict(expert_capacity_factor=0.5), "expert_capacity_factor"),
     (dict(expert_dispatch="ragged_all_to_all", expert_capacity_factor=1.25), "dropless.*ragged_all_to_all"),
     (dict(pipeline_microbatches=-1), "pipeline_microbatches"), (dict(no_such_option=1), "no_such_option"),
+    (dict(causal_block_size=-64), "causal_block_size"),
 ])
 def test_invalid_execution_options_are_named(changes, field):
     with pytest.raises(ConfigError, match=field):
@@ -76,6 +77,9 @@ def test_old_run_config_with_execution_fields_in_model_still_loads(tiny_config):
     assert options == ExecutionOptions(dtype="bfloat16", moe_impl="blocked")
     new = {"model": tiny_config.to_dict(), "execution": {"remat": "full"}}
     assert run_configs(new) == (tiny_config, ExecutionOptions(remat="full"))
+    # causal_blocks (a block count, 2026-12-02) gave way to causal_block_size: same result, dropped.
+    renamed = {"model": tiny_config.to_dict(), "execution": {"causal_blocks": 8}}
+    assert run_configs(renamed) == (tiny_config, ExecutionOptions())
 
 
 def test_entry_points_take_a_config_file_config_or_say_what_they_expect(tiny_config):

@@ -132,14 +132,14 @@ def test_causal_blocks_equal_one_block(tiny_config, tiny_params):
     segments = np.array([[0] * 9 + [1] * 7, [0] * 16])
     positions = np.array([list(range(9)) + list(range(7)), list(range(16))])
 
-    def loss_and_grads(blocks):
-        options = glm5_jax.ExecutionOptions(causal_blocks=blocks)
+    def loss_and_grads(block_size):
+        options = glm5_jax.ExecutionOptions(causal_block_size=block_size)
         def loss(params):
             logits = glm5_jax.forward(config, params, ids, positions, segments, options=options)
             return jnp.sum(jax.nn.log_softmax(logits)[..., 0]), logits
         return jax.jit(jax.value_and_grad(loss, has_aux=True))(tiny_params)
 
-    (_, one_block), grads = loss_and_grads(1)
+    (_, one_block), grads = loss_and_grads(0)
     (_, four_blocks), block_grads = loss_and_grads(4)
     np.testing.assert_allclose(four_blocks, one_block, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), block_grads, grads)

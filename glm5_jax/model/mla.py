@@ -54,7 +54,7 @@ class AttentionSpec:
     # layers and flash attention on sliding-window layers (`pallas_attention`).
     attention_impl: str = "reference"
     dsa_stage: str = "off"  # DSA training (dsa_training.py): "off", "dense_warmup" or "sparse"
-    causal_blocks: int = 1  # ExecutionOptions.causal_blocks (`attend_causal_blocks`)
+    causal_block_size: int = 0  # ExecutionOptions.causal_block_size (`attend_causal_blocks`)
 
     @property
     def qk_head_dim(self) -> int:
@@ -89,14 +89,14 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, allowed: jax.Arra
 
 
 def attend_causal_blocks(query: jax.Array, key: jax.Array, value: jax.Array, allowed: jax.Array,
-                         num_blocks: int) -> jax.Array:
+                         block_size: int) -> jax.Array:
     """`attend` for self-attention where no query sees a later key (`allowed` causal by index):
-    the queries in `num_blocks` equal blocks, each against the keys up to its own end only, so
-    most of the masked upper triangle is never computed ((n + 1) / 2n of the [T, S] work for n
-    blocks). Shapes as `attend`, with S = T divisible by num_blocks; the same result."""
-    size = query.shape[1] // num_blocks
+    the queries in blocks of `block_size`, each against the keys up to its own end only, so most
+    of the masked upper triangle is never computed ((n + 1) / 2n of the [T, S] work for n blocks).
+    Shapes as `attend`, with S = T divisible by block_size; the same result."""
+    size = block_size
     outputs = []
-    for block in range(num_blocks):
+    for block in range(query.shape[1] // size):
         rows, end = slice(block * size, (block + 1) * size), (block + 1) * size
         outputs.append(attend(query[:, rows], key[:, :end], value[:, :end], allowed[:, rows, :end]))
     return jnp.concatenate(outputs, axis=1)
@@ -262,9 +262,10 @@ class MLAttention(nn.Module):
         else:
             allowed = dsa_allowed
 
-        blocks = spec.causal_blocks
-        if blocks > 1 and not training_dsa and length % blocks == 0 and shards("length") == 1:
-            out = attend_causal_blocks(query, key, value, allowed, blocks)  # [B, T, N, Hv]
+        block_size = spec.causal_block_size
+        blocked = 0 < block_size < length and length % block_size == 0
+        if blocked and not training_dsa and shards("length") == 1:
+            out = attend_causal_blocks(query, key, value, allowed, block_size)  # [B, T, N, Hv]
         else:  # one [T, S] block (the DSA KL reads the whole distribution)
             probs = constrain(attention_probs(query, key, allowed),
                               ("batch", "heads", "length", None))  # [B, N, T, S]

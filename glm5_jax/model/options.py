@@ -81,11 +81,12 @@ class ExecutionOptions:
     attention_impl: str = "reference"
     indexer_impl: str = "reference"
     decode_attention_impl: str = "reference"
-    # attention_impl "reference" over a whole sequence (training, `forward`): the queries in this
-    # many blocks, each against the keys up to its own end (mla.attend_causal_blocks), so most of
-    # the causally masked [T, S] half is not computed; 1 = one [T, S] block. Used when it divides
-    # the sequence, which is not split over `context`, outside the DSA KL stages.
-    causal_blocks: int = 1
+    # attention_impl "reference" over a whole sequence (training, `forward`): the queries in
+    # blocks of this many, each against the keys up to its own end (mla.attend_causal_blocks), so
+    # most of the causally masked [T, S] half is not computed; 0 = one [T, S] block. Used when it
+    # divides the sequence (and is shorter), which is not split over `context`, outside the DSA KL
+    # stages. The same result either way; on a CPU 64 was fastest at T = 256 and 512.
+    causal_block_size: int = 0
     # How the serving step (paged_step) multiplies by "fp8" QuantizedTensor weights (see
     # glm5_jax.quant.matmul): "dequantize" (a float copy of each weight per layer, then the
     # einsum: every backend), "native" (XLA float8 x float8 dots, activations quantized per 1x128
@@ -132,6 +133,9 @@ class ExecutionOptions:
             return cls()
         if hasattr(values, "to_dict"):
             values = values.to_dict()
+        # Saved runs of 2026-12-02 have `causal_blocks` (a block count, since replaced by
+        # causal_block_size); it only changed the speed, not the result.
+        values = {name: value for name, value in values.items() if name != "causal_blocks"}
         unknown = sorted(set(values) - set(EXECUTION_FIELDS))
         if unknown:
             raise ConfigError(f"unknown execution option(s): {', '.join(unknown)} "
@@ -145,8 +149,9 @@ class ExecutionOptions:
         require(self.param_dtype in DTYPES, "param_dtype", f"must be one of {sorted(DTYPES)}")
         require(isinstance(self.scan_unroll, int) and self.scan_unroll >= 1, "scan_unroll",
                 "must be an integer >= 1")
-        require(isinstance(self.causal_blocks, int) and not isinstance(self.causal_blocks, bool)
-                and self.causal_blocks >= 1, "causal_blocks", "must be an integer >= 1")
+        value = self.causal_block_size
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, "causal_block_size",
+                "must be an integer >= 0 (0 = one block)")
         require(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}")
         require(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
         for field in ("attention_impl", "indexer_impl", "decode_attention_impl"):

@@ -39,7 +39,7 @@ def attention_spec(config: ModelConfig, options: ExecutionOptions) -> AttentionS
         sliding_window=config.sliding_window, rope_theta=config.rope_theta,
         initializer_range=config.initializer_range, indexer=indexer,
         attention_impl=options.attention_impl, dsa_stage=options.dsa_stage,
-        causal_blocks=options.causal_blocks)
+        causal_block_size=options.causal_block_size)
 
 
 def moe_spec(config: ModelConfig, options: ExecutionOptions) -> MoESpec:
