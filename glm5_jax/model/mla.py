@@ -94,10 +94,9 @@ def attend_causal_blocks(query: jax.Array, key: jax.Array, value: jax.Array, all
     the queries in blocks of `block_size`, each against the keys up to its own end only, so most
     of the masked upper triangle is never computed ((n + 1) / 2n of the [T, S] work for n blocks).
     Shapes as `attend`, with S = T divisible by block_size; the same result."""
-    size = block_size
     outputs = []
-    for block in range(query.shape[1] // size):
-        rows, end = slice(block * size, (block + 1) * size), (block + 1) * size
+    for start in range(0, query.shape[1], block_size):
+        rows, end = slice(start, start + block_size), start + block_size
         outputs.append(attend(query[:, rows], key[:, :end], value[:, :end], allowed[:, rows, :end]))
     return jnp.concatenate(outputs, axis=1)
 
