@@ -195,7 +195,6 @@ def test_mtp_logits_shape(tiny_config, tiny_params):
 
 @pytest.mark.parametrize("routed_experts", [
     routed_experts_ragged, routed_experts_dense, routed_experts_blocked, routed_experts_gathered,
-    functools.partial(routed_experts_dense, per_expert_max_tokens=0),  # one transposed matmul
     functools.partial(routed_experts_blocked, block_rows=4)])
 def test_routed_experts_equal_a_per_expert_loop(routed_experts):
     rng = np.random.default_rng(7)
@@ -287,7 +286,6 @@ def test_expert_paths_have_equal_gradients():
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, weights, gate, up, down)
 
     expected = grads(routed_experts_dense)
-    for routed in (routed_experts_ragged, functools.partial(routed_experts_blocked, block_rows=4),
-                   functools.partial(routed_experts_dense, per_expert_max_tokens=0)):
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5),
+    for routed in (routed_experts_ragged, functools.partial(routed_experts_blocked, block_rows=4)):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                      grads(routed), expected)

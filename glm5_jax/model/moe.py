@@ -23,11 +23,6 @@ from glm5_jax.parallel.expert import expert_mesh, routed_experts_sharded
 from glm5_jax.quant.formats import is_quantized
 from glm5_jax.quant.matmul import expert_linear
 
-# routed_experts_dense runs one matmul per expert up to this many tokens (a decode step's rows):
-# at 8 experts x 256 x 256 on a 2-core CPU, 64 tokens 2.3 -> 1.8 ms, 32: 1.4 -> 0.9 ms; at 128
-# tokens the single transposed matmul is faster (3.7 vs 4.9 ms).
-DENSE_PER_EXPERT_MAX_TOKENS = 64
-
 
 @dataclasses.dataclass(frozen=True)
 class MoESpec:
@@ -88,32 +83,20 @@ def sequence_balance_loss(scores: jax.Array, experts: jax.Array, num_experts: in
 
 
 def routed_experts_dense(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
-                         up_proj: jax.Array, down_proj: jax.Array,
-                         per_expert_max_tokens: int = DENSE_PER_EXPERT_MAX_TOKENS) -> jax.Array:
+                         up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
     """Every expert on every token, combined with zero weight for the unchosen ones.
 
     Same shapes and result as `routed_experts_ragged`; num_experts / top-k times the FLOPs, but
-    plain batched matmuls, which is faster on CPUs and for small expert counts. Up to
-    per_expert_max_tokens tokens (a decode step) one matmul per expert, else one for all.
+    plain batched matmuls, which is faster on CPUs and for small expert counts.
     """
     num_experts = gate_proj.shape[0]
     dtype = x.dtype
     combine = jnp.zeros((x.shape[0], num_experts), jnp.float32)
     combine = jnp.put_along_axis(combine, experts, weights, axis=-1, inplace=False)  # [T, E]
-    gate_proj, up_proj, down_proj = (w.astype(dtype) for w in (gate_proj, up_proj, down_proj))
-    if x.shape[0] <= per_expert_max_tokens:
-        # One matmul per expert on a broadcast copy of the few tokens: "TD,EDF" as one matmul
-        # needs the weights as [D, E * F], a transposed copy of every expert per call (XLA:CPU).
-        per_expert = jnp.broadcast_to(x, (num_experts,) + x.shape)
-        gate = jnp.einsum("ETD,EDF->ETF", per_expert, gate_proj)
-        up = jnp.einsum("ETD,EDF->ETF", per_expert, up_proj)
-        hidden = jax.nn.silu(gate) * up * combine.T.astype(dtype)[..., None]
-        out = jnp.einsum("ETF,EFD->ETD", hidden, down_proj, preferred_element_type=jnp.float32)
-        return out.sum(axis=0).astype(dtype)
-    gate = jnp.einsum("TD,EDF->TEF", x, gate_proj)
-    up = jnp.einsum("TD,EDF->TEF", x, up_proj)
+    gate = jnp.einsum("TD,EDF->TEF", x, gate_proj.astype(dtype))
+    up = jnp.einsum("TD,EDF->TEF", x, up_proj.astype(dtype))
     hidden = jax.nn.silu(gate) * up * combine.astype(dtype)[..., None]
-    return jnp.einsum("TEF,EFD->TD", hidden, down_proj)
+    return jnp.einsum("TEF,EFD->TD", hidden, down_proj.astype(dtype))
 
 
 def routed_experts_blocked(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
