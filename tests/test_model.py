@@ -14,12 +14,14 @@ from glm5_jax.model import dsa
 from glm5_jax.model.layers import apply_rope, rope_angles, vocab_logits
 from glm5_jax.model.moe import (
     MoESpec,
+    input_major_experts,
     route,
     routed_experts_blocked,
     routed_experts_dense,
     routed_experts_gathered,
     routed_experts_ragged,
 )
+from glm5_jax.model.moe import routed_experts as routed_experts_dispatched
 
 # One xdist worker runs this module, so its fixtures (initialised params) are built once.
 pytestmark = pytest.mark.xdist_group("model")
@@ -193,10 +195,21 @@ def test_mtp_logits_shape(tiny_config, tiny_params):
     assert outputs["mtp_logits"].shape == (2, 8, 256)
 
 
-@pytest.mark.parametrize("routed_experts", [
-    routed_experts_ragged, routed_experts_dense, routed_experts_blocked, routed_experts_gathered,
-    functools.partial(routed_experts_blocked, block_rows=4)])
-def test_routed_experts_equal_a_per_expert_loop(routed_experts):
+def _dispatched_blocked(*args):
+    spec = MoESpec(hidden_size=8, moe_intermediate_size=6, num_experts=5, num_experts_per_token=2,
+                   num_shared_experts=0, num_expert_groups=1, num_selected_groups=1,
+                   normalize_topk_weights=True, routed_scaling_factor=1.0, initializer_range=0.1,
+                   impl="blocked")
+    return routed_experts_dispatched(*args, spec)[0]
+
+
+@pytest.mark.parametrize("routed_experts,input_major", [
+    (routed_experts_ragged, False), (routed_experts_dense, False), (routed_experts_blocked, False),
+    (routed_experts_gathered, False), (functools.partial(routed_experts_blocked, block_rows=4), False),
+    # The serving layout of gate and up (paged_decode.serving_layout with moe_impl "dense"): read in
+    # place by the dense and gathered paths, turned back into a stack for the others.
+    (routed_experts_dense, True), (routed_experts_gathered, True), (_dispatched_blocked, True)])
+def test_routed_experts_equal_a_per_expert_loop(routed_experts, input_major):
     rng = np.random.default_rng(7)
     tokens, hidden, inner, experts, top_k = 13, 8, 6, 5, 2
     x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.float32)
@@ -212,6 +225,9 @@ def test_routed_experts_equal_a_per_expert_loop(routed_experts):
             e = int(chosen[t, k])
             h = jax.nn.silu(x[t] @ gate[e]) * (x[t] @ up[e])
             expected[t] += float(weights[t, k]) * np.asarray(h @ down[e])
+    if input_major:
+        gate, up = input_major_experts(gate), input_major_experts(up)
+        assert gate.shape == (experts, hidden, inner)
     got = routed_experts(x, weights, chosen, gate, up, down)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 

@@ -8,6 +8,7 @@ import pytest
 from reference import perturbed_params
 
 import glm5_jax
+from glm5_jax.model.moe import InputMajorExperts
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.paged_decode import (
     StepBatch,
@@ -50,6 +51,8 @@ def paged_logits(config, params, sequences, chunk, options=None):
     params = serving_layout(config, params, options)  # as the engine's runner holds them
     unrolled = (options or ExecutionOptions()).scan_unroll >= config.num_moe_layers
     assert isinstance(params["moe_layers"], tuple) == unrolled
+    if options and options.moe_impl == "dense":  # the dense path reads gate and up input-major
+        assert all(isinstance(layer["moe"]["gate_proj"], InputMajorExperts) for layer in params["moe_layers"])
     # Scrambled, interleaved page ownership (page 0 unused by anyone): tables must be followed.
     order = np.random.default_rng(0).permutation(np.arange(1, num_pages))
     tables = order.reshape(len(sequences), MAX_PAGES).astype(np.int32)
@@ -83,7 +86,8 @@ def paged_logits(config, params, sequences, chunk, options=None):
 @pytest.mark.parametrize("variant,options,chunk", [
     # Unrolled: the step runs the layers one by one on per-layer weights (serving_layout).
     (dict(attention_types=["dsa", "sliding_window", "dsa", "sliding_window"], sliding_window=5,
-          indexer_types=["full", "full", "shared", "full"]), ExecutionOptions(scan_unroll=4), (8, 3, 2)),
+          indexer_types=["full", "full", "shared", "full"]),
+     ExecutionOptions(scan_unroll=4, moe_impl="dense"), (8, 3, 2)),
     (dict(num_layers=2, indexer_types=["full"] * 2, attention_types=["sliding_window"] * 2,
           sliding_window=3), ExecutionOptions(moe_impl="blocked"), (3, 4, 1)),
     # The Pallas kernel (interpret mode on CPU) reading pages through the block table.

@@ -40,11 +40,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.dsa import index_head_weights, indexer_keys, indexer_queries
 from glm5_jax.model.layers import apply_rope, rms_norm, rope_angles, swiglu_mlp
-from glm5_jax.model.moe import route, routed_experts
+from glm5_jax.model.moe import input_major_experts, route, routed_experts
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.transformer import moe_spec
 from glm5_jax.quant.matmul import head_inputs, head_outputs, linear
@@ -404,14 +405,38 @@ def serving_layout(config: ModelConfig, params, options: ExecutionOptions | None
     """params as the serving step takes them: each layer stack that options.scan_unroll covers
     whole becomes a tuple of per-layer params (split once here), which the step runs layer by
     layer; the others stay stacked [L, ...] and are scanned. A loop over a stack slices each
-    layer's weights out of it every step, which XLA:CPU does by copying them."""
-    unroll = (options or ExecutionOptions()).scan_unroll
+    layer's weights out of it every step, which XLA:CPU does by copying them.
+
+    With the dense routed-experts path (options.moe_impl "dense", the CPU default for few
+    experts), single-device gate and up stacks are held input-major (`moe.InputMajorExperts`):
+    that path's matmul reads them in place instead of copying them every step."""
+    options = options or ExecutionOptions()
     layout = dict(params)
     for stack, size in _stack_sizes(config).items():
-        if unroll >= size and not isinstance(params[stack], tuple):
+        if options.scan_unroll >= size and not isinstance(params[stack], tuple):
             layout[stack] = tuple(jax.tree.map(lambda a, i=i: _layer_of(a, i), params[stack])
                                   for i in range(size))
+        if options.moe_impl == "dense":
+            layers = layout[stack]
+            layout[stack] = (tuple(_input_major_moe(layer) for layer in layers) if isinstance(layers, tuple)
+                             else _input_major_moe(layers))
+    if options.moe_impl == "dense" and "mtp" in params:
+        layout["mtp"] = {**params["mtp"], "layer": _input_major_moe(params["mtp"]["layer"])}
     return layout
+
+
+def _input_major_moe(layer):
+    """A layer's params with its MoE gate and up stacks input-major, where they are float arrays
+    on one device (not quantized, not split over an expert mesh, not shapes being planned)."""
+    moe, names = layer.get("moe"), ("gate_proj", "up_proj")
+    if moe is None or not all(_on_one_device(moe[name]) for name in names):
+        return layer
+    return {**layer, "moe": {**moe, **{name: input_major_experts(moe[name]) for name in names}}}
+
+
+def _on_one_device(weight) -> bool:
+    return isinstance(weight, np.ndarray) or (isinstance(weight, jax.Array)
+                                               and len(weight.sharding.device_set) == 1)
 
 
 def _layer_of(weights, index: int):
