@@ -11,7 +11,7 @@ from reference import random_params
 import glm5_jax
 from glm5_jax.config_files import load_model_config
 from glm5_jax.model import dsa
-from glm5_jax.model.layers import apply_rope, rope_angles, vocab_logits
+from glm5_jax.model.layers import apply_rope, batched_matmul, project, rope_angles, vocab_logits
 from glm5_jax.model.moe import (
     MoESpec,
     input_major_experts,
@@ -251,25 +251,35 @@ def test_group_limited_routing_by_hand():
                                rtol=1e-6)
 
 
+CONTIGUOUS_CASES = {  # name: (ours, the plain einsum, x shape, weight shape)
+    "vocab_logits": (vocab_logits,
+                     lambda x, w: jnp.einsum("BTD,DV->BTV", x, w, preferred_element_type=jnp.float32),
+                     (2, 5, 8), (8, 11)),
+    "project": (project, lambda x, w: jnp.einsum("BTD,DF->BTF", x, w), (2, 5, 8), (8, 6)),
+    "batched_matmul": (batched_matmul, lambda x, w: jnp.einsum("GCI,GIO->GCO", x, w), (3, 4, 8), (3, 8, 6)),
+}
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_vocab_logits_gradients_equal_the_einsums(dtype):
-    """The LM head's custom backward (contiguous x^T for the weight gradient) gives autodiff's
-    gradients of the plain einsum, in their input dtypes."""
+@pytest.mark.parametrize("case", sorted(CONTIGUOUS_CASES))
+def test_contiguous_weight_gradients_equal_autodiff(case, dtype):
+    """The custom backward (a contiguous x^T for the weight gradient; the LM head, the SwiGLU
+    MLPs and the blocked routed experts) gives autodiff's gradients of the plain einsum, in
+    their input dtypes."""
+    ours, plain, x_shape, weight_shape = CONTIGUOUS_CASES[case]
     rng = np.random.default_rng(7)
-    x = jnp.asarray(rng.normal(size=(2, 5, 8)), dtype)
-    head = jnp.asarray(rng.normal(size=(8, 11)), dtype)
-    weights = jnp.asarray(rng.normal(size=(2, 5, 11)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=x_shape), dtype)
+    weight = jnp.asarray(rng.normal(size=weight_shape), dtype)
+    out_shape = plain(x, weight).shape
+    weights = jnp.asarray(rng.normal(size=out_shape), jnp.float32)
 
-    def plain(x, head):
-        return jnp.einsum("BTD,DV->BTV", x, head, preferred_element_type=jnp.float32)
+    def loss(fn, x, weight):
+        return jnp.sum(jnp.tanh(fn(x, weight).astype(jnp.float32)) * weights)
 
-    def loss(fn, x, head):
-        return jnp.sum(jnp.tanh(fn(x, head)) * weights)
-
-    np.testing.assert_array_equal(vocab_logits(x, head), plain(x, head))
-    ours = jax.grad(functools.partial(loss, vocab_logits), argnums=(0, 1))(x, head)
-    autodiff = jax.grad(functools.partial(loss, plain), argnums=(0, 1))(x, head)
-    for got, want in zip(ours, autodiff, strict=True):
+    np.testing.assert_array_equal(ours(x, weight), plain(x, weight))
+    got_grads = jax.grad(functools.partial(loss, ours), argnums=(0, 1))(x, weight)
+    autodiff = jax.grad(functools.partial(loss, plain), argnums=(0, 1))(x, weight)
+    for got, want in zip(got_grads, autodiff, strict=True):
         assert got.dtype == want.dtype == dtype
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5, atol=1e-5)

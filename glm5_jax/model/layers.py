@@ -2,11 +2,13 @@
 
 Einsum letters (one glossary for the whole model): B batch, T query length, S key length,
 D hidden_size, N attention heads, H head dim, R low-rank latent, M indexer heads,
-E experts, K top-k, F feed-forward hidden units, V vocabulary, L layers.
+E experts, K top-k, F feed-forward hidden units, V vocabulary, L layers; a generic matmul: G a
+batch of matrices, C rows, I and O its input and output widths.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -42,38 +44,60 @@ def normal_init(stddev: float):
     return nn.initializers.normal(stddev=stddev)
 
 
+def _batched_einsum(x: jax.Array, weight: jax.Array, out_dtype) -> jax.Array:
+    """x [G, C, I] . weight [G, I, O] -> [G, C, O] in out_dtype."""
+    return jnp.einsum("GCI,GIO->GCO", x, weight, preferred_element_type=out_dtype).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _contiguous_matmul(x: jax.Array, weight: jax.Array, out_dtype) -> jax.Array:
+    return _batched_einsum(x, weight, out_dtype)
+
+
+def _contiguous_matmul_forward(x, weight, out_dtype):
+    return _batched_einsum(x, weight, out_dtype), (x, weight)
+
+
+def _contiguous_matmul_backward(out_dtype, saved, d_out):
+    """Gradients in the output's dtype, returned in the inputs'. The weight gradient multiplies
+    x^T, copied contiguous first (the barrier keeps XLA from folding the transpose back into the
+    dot): left to itself, XLA:CPU transposes the output gradient instead, inside the fusion that
+    produces it (e.g. SwiGLU's backward), whose strided writes ran ~10x slower than its
+    row-major ones."""
+    x, weight = saved
+    d_x = jnp.einsum("GCO,GIO->GCI", d_out, weight.astype(d_out.dtype)).astype(x.dtype)
+    x_t = jax.lax.optimization_barrier(jnp.swapaxes(x, 1, 2).astype(d_out.dtype))  # [G, I, C]
+    d_weight = jnp.einsum("GIC,GCO->GIO", x_t, d_out).astype(weight.dtype)
+    return d_x, d_weight
+
+
+_contiguous_matmul.defvjp(_contiguous_matmul_forward, _contiguous_matmul_backward)
+
+
+def batched_matmul(x: jax.Array, weight: jax.Array, out_dtype=None) -> jax.Array:
+    """x [G, C, I] . weight [G, I, O] -> [G, C, O] (out_dtype: default x's), the weight gradient
+    from a contiguous x^T (`_contiguous_matmul_backward`) when no mesh is active; under a mesh
+    the plain einsum, whose partitioning GSPMD chooses (the copy would make it gather x)."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if jax.sharding.get_abstract_mesh().empty:
+        return _contiguous_matmul(x, weight, out_dtype)
+    return _batched_einsum(x, weight, out_dtype)
+
+
+def project(x: jax.Array, weight: jax.Array, out_dtype=None) -> jax.Array:
+    """x [..., I] . weight [I, O] -> [..., O] (out_dtype: default x's), as `batched_matmul`."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if not jax.sharding.get_abstract_mesh().empty:  # x's axes as they are sharded
+        return jnp.einsum("...I,IO->...O", x, weight, preferred_element_type=out_dtype).astype(out_dtype)
+    flat = _contiguous_matmul(x.reshape(1, -1, x.shape[-1]), weight[None], out_dtype)
+    return flat.reshape(x.shape[:-1] + weight.shape[-1:])
+
+
 def vocab_logits(x: jax.Array, lm_head: jax.Array) -> jax.Array:
     """Logits of a vocabulary-wide projection in float32. x: [B, T, D]; lm_head: [D, V] in x's
-    dtype. Returns [B, T, V]. Without a mesh, its weight gradient multiplies x^T, copied
-    contiguous first, with the [B*T, V] output gradient: XLA:CPU otherwise transposes that big
-    gradient (moe16 train step 3.19 -> 3.03 s, docs/benchmarks.md). Under a mesh the plain einsum,
-    whose partitioning GSPMD chooses (the copy would make it gather x)."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return _vocab_logits_contiguous(x, lm_head)
-    return _vocab_einsum(x, lm_head)
-
-
-def _vocab_einsum(x, lm_head):
-    return jnp.einsum("BTD,DV->BTV", x, lm_head, preferred_element_type=jnp.float32)
-
-
-_vocab_logits_contiguous = jax.custom_vjp(_vocab_einsum)
-
-
-def _vocab_logits_forward(x, lm_head):
-    return _vocab_logits_contiguous(x, lm_head), (x, lm_head)
-
-
-def _vocab_logits_backward(saved, d_logits):
-    x, lm_head = saved
-    d_x = jnp.einsum("BTV,DV->BTD", d_logits, lm_head.astype(jnp.float32)).astype(x.dtype)
-    # The barrier keeps XLA from folding the transpose back into the dot.
-    x_t = jax.lax.optimization_barrier(jnp.transpose(x.reshape(-1, x.shape[-1])).astype(jnp.float32))
-    d_head = (x_t @ d_logits.reshape(-1, d_logits.shape[-1])).astype(lm_head.dtype)
-    return d_x, d_head
-
-
-_vocab_logits_contiguous.defvjp(_vocab_logits_forward, _vocab_logits_backward)
+    dtype. Returns [B, T, V]. Its weight gradient multiplies a contiguous x^T (`project`):
+    moe16 train step 3.19 -> 3.03 s (docs/benchmarks.md)."""
+    return project(x, lm_head, jnp.float32)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -124,13 +148,13 @@ def swiglu_mlp(x: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
     """down(silu(x gate) * (x up)). x: [..., D]; gate/up: [D, F]; down: [F, D] -> [..., D].
 
     matmul(x, weight) -> x . weight in x's dtype, for weights that stay quantized (the serving
-    step passes glm5_jax.quant.matmul.linear); default: cast the weight, then einsum."""
+    step passes glm5_jax.quant.matmul.linear); default: cast the weight, then `project`."""
     dtype = x.dtype
     if matmul is not None:
         return matmul(jax.nn.silu(matmul(x, gate_proj)) * matmul(x, up_proj), down_proj)
-    gate = jnp.einsum("...D,DF->...F", x, gate_proj.astype(dtype))
-    up = jnp.einsum("...D,DF->...F", x, up_proj.astype(dtype))
-    return jnp.einsum("...F,FD->...D", jax.nn.silu(gate) * up, down_proj.astype(dtype))
+    gate = project(x, gate_proj.astype(dtype))
+    up = project(x, up_proj.astype(dtype))
+    return project(jax.nn.silu(gate) * up, down_proj.astype(dtype))
 
 
 class MLP(nn.Module):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from glm5_jax.model import kernel_calls
-from glm5_jax.model.layers import MLP, declare_weight, normal_init
+from glm5_jax.model.layers import MLP, batched_matmul, declare_weight, normal_init
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.expert import expert_mesh, routed_experts_sharded
 from glm5_jax.quant.formats import is_quantized
@@ -172,12 +172,12 @@ def routed_experts_blocked(x: jax.Array, weights: jax.Array, experts: jax.Array,
     capacity = -(-(num_tokens * top_k + num_experts * (block_rows - 1)) // block_rows) * block_rows
     num_blocks = capacity // block_rows
     buffer = jnp.zeros((capacity, hidden), dtype).at[slot].set(x[token_of_row])
-    blocks = buffer.reshape(num_blocks, block_rows, hidden)  # [N, b, D]
+    blocks = buffer.reshape(num_blocks, block_rows, hidden)  # [G, C, D]: G blocks of C rows
     block_expert = jnp.minimum(
         jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block_rows, side="right"), num_experts - 1)
-    gate = jnp.einsum("NbD,NDF->NbF", blocks, gate_proj.astype(dtype)[block_expert])
-    up = jnp.einsum("NbD,NDF->NbF", blocks, up_proj.astype(dtype)[block_expert])
-    out = jnp.einsum("NbF,NFD->NbD", jax.nn.silu(gate) * up, down_proj.astype(dtype)[block_expert])
+    gate = batched_matmul(blocks, gate_proj.astype(dtype)[block_expert])  # [G, C, F]
+    up = batched_matmul(blocks, up_proj.astype(dtype)[block_expert])
+    out = batched_matmul(jax.nn.silu(gate) * up, down_proj.astype(dtype)[block_expert])  # [G, C, D]
     out = out.reshape(capacity, hidden)[slot] * weights.reshape(-1)[order][:, None].astype(dtype)
     return jnp.zeros((num_tokens, hidden), dtype).at[token_of_row].add(out)
 
