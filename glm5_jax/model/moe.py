@@ -106,7 +106,7 @@ class InputMajorExperts:
         return InputMajorExperts(self.by_input.astype(dtype))
 
     def __getitem__(self, experts: jax.Array) -> jax.Array:
-        """experts [T, K] int -> their matrices [T, K, I, O]."""
+        """experts [T, K] int -> their matrices [T, K, I, O] (one layer's weights, [I, E, O])."""
         return jnp.moveaxis(self.by_input[:, experts], 0, 2)
 
     def expert_major(self) -> jax.Array:
