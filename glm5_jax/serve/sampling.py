@@ -277,10 +277,11 @@ def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int, top_w
     penalised = apply_penalties(raw, state)
     greedy_tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
 
-    candidates = processed_logits(penalised, state)
-    # All-greedy batches skip the draws (and keep their keys: no row here samples).
+    # All-greedy batches skip the processing and the draws (and keep their keys: no row here
+    # samples).
     new_keys, sampled_tokens = jax.lax.cond(
-        jnp.any(state.temperature > 0), lambda: jax.vmap(_draw)(state.keys, candidates),
+        jnp.any(state.temperature > 0),
+        lambda: jax.vmap(_draw)(state.keys, processed_logits(penalised, state)),
         lambda: (state.keys, greedy_tokens))
     tokens = jnp.where(state.temperature > 0, sampled_tokens, greedy_tokens)
 
