@@ -46,7 +46,7 @@ def normal_init(stddev: float):
 
 def _batched_einsum(x: jax.Array, weight: jax.Array, out_dtype) -> jax.Array:
     """x [G, C, I] . weight [G, I, O] -> [G, C, O] in out_dtype."""
-    return jnp.einsum("GCI,GIO->GCO", x, weight, preferred_element_type=out_dtype).astype(out_dtype)
+    return jnp.einsum("GCI,GIO->GCO", x, weight, preferred_element_type=out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -88,7 +88,7 @@ def project(x: jax.Array, weight: jax.Array, out_dtype=None) -> jax.Array:
     """x [..., I] . weight [I, O] -> [..., O] (out_dtype: default x's), as `batched_matmul`."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if not jax.sharding.get_abstract_mesh().empty:  # x's axes as they are sharded
-        return jnp.einsum("...I,IO->...O", x, weight, preferred_element_type=out_dtype).astype(out_dtype)
+        return jnp.einsum("...I,IO->...O", x, weight, preferred_element_type=out_dtype)
     flat = _contiguous_matmul(x.reshape(1, -1, x.shape[-1]), weight[None], out_dtype)
     return flat.reshape(x.shape[:-1] + weight.shape[-1:])
 
