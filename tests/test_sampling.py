@@ -233,6 +233,27 @@ def test_same_seed_same_sequence_whatever_other_slots_hold():
     assert len(set(tokens_a[0].tolist())) > 1
 
 
+def test_first_argmax_equals_argmax_on_ties_nan_and_padding():
+    """The blocked argmax the sampler uses is jnp.argmax exactly: the first of tied maxima (also
+    across blocks), NaN as the maximum, all -inf rows, a vocabulary the block does not divide."""
+    rng = np.random.default_rng(5)
+    rows = rng.integers(-3, 4, size=(7, 300)).astype(np.float32)  # many ties, across blocks of 128
+    rows[1, [5, 200]] = np.nan
+    rows[2, :] = -np.inf
+    rows[3, 290:] = 9.0  # the maximum only in the last, partial block
+    rows[4, [0, 128, 256]] = 9.0
+    rows[5, :] = 0.0
+    rows[5, 129] = -0.0  # -0.0 == 0.0: still the first position
+    first = jax.jit(sampling.first_argmax, static_argnames="block")
+    for values in (rows, rows.reshape(7, 2, 150), rows[:, :256]):
+        expected = np.asarray(jnp.argmax(jnp.asarray(values), axis=-1))
+        for block in (128, 16):
+            got = np.asarray(first(jnp.asarray(values), block=block))
+            assert got.dtype == np.int32
+            np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(np.asarray(first(jnp.asarray(rows)))[1:6], [5, 0, 290, 0, 0])
+
+
 # --- logprobs -----------------------------------------------------------------------------------
 
 
@@ -274,6 +295,21 @@ def test_output_counts_and_set_slot_resets_only_its_slot():
     expected = np.stack([np.bincount(row, minlength=vocab) for row in tokens])
     np.testing.assert_array_equal(counts, expected)
     assert counts.sum() == 21
+
+    # advance: only the masked slots count their token and split their key; no logprobs wanted:
+    # the same tokens, zeros for the log-probabilities.
+    logits = jnp.asarray(rng.normal(size=(3, vocab)), jnp.float32)
+    keep = jnp.array([True, False, True])
+    all_tokens, all_lp, _, _, _ = sample(logits, state, N_TOP % vocab)
+    tokens, token_lp, top_ids, top_lp, advanced = sample(logits, state, N_TOP % vocab, jnp.bool_(False), keep)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(all_tokens))
+    assert not any(np.any(np.asarray(value)) for value in (token_lp, top_lp, top_ids))
+    assert np.any(np.asarray(all_lp))
+    moved = np.asarray(advanced.output_counts) - counts
+    np.testing.assert_array_equal(moved.sum(axis=1), [1, 0, 1])
+    np.testing.assert_array_equal(moved[[0, 2], np.asarray(tokens)[[0, 2]]], [1, 1])
+    np.testing.assert_array_equal(np.asarray(advanced.keys)[1], np.asarray(state.keys)[1])
+    assert np.all(np.asarray(advanced.keys)[[0, 2]] != np.asarray(state.keys)[[0, 2]])
 
     before = jax.tree.map(np.asarray, state)
     params = SamplingParams(temperature=0.5, top_p=0.9, top_k=3, min_p=0.05, repetition_penalty=1.3,

@@ -454,8 +454,8 @@ class Engine:
         return ids[:MAX_STOP_IDS]
 
     @staticmethod
-    def _top_wanted(sequences) -> bool:
-        return any(s.payload.stream.params.logprobs for s in sequences)
+    def _logprobs_wanted(sequences) -> bool:
+        return any(s.payload.stream.params.logprobs is not None for s in sequences)
 
     def _speculating(self, sequences) -> bool:
         """Speculative rounds for these rows: on, and no row's sampling depends on the tokens a
@@ -488,11 +488,11 @@ class Engine:
             inputs["stop_ids"][row, :len(ids)] = ids[:MAX_STOP_IDS]
         if after is not None:
             inputs.update(tokens=after.tokens, positions=after.positions, remaining=after.remaining)
-        top_wanted = self._top_wanted(plan.sequences)
+        logprobs_wanted = self._logprobs_wanted(plan.sequences)
         if self._speculating(plan.sequences):
             return self.runner.launch_speculative(**inputs, limits=limits, steps=plan.steps,
-                                                  top_wanted=top_wanted)
-        return self.runner.launch_decode(**inputs, steps=plan.steps, top_wanted=top_wanted,
+                                                  logprobs_wanted=logprobs_wanted)
+        return self.runner.launch_decode(**inputs, steps=plan.steps, logprobs_wanted=logprobs_wanted,
                                          allowed=self._allowed(plan.sequences, rows))
 
     def _allowed(self, sequences, rows: int) -> np.ndarray:
@@ -567,7 +567,7 @@ class Engine:
         for sequence, index in sampled_index.items():
             by_index[index] = sequence
         sampled, scored = self.runner.mixed_step(batch, sample_rows, slots, mask,
-                                                 self._top_wanted(sampled_index),
+                                                 self._logprobs_wanted(sampled_index),
                                                  self._allowed(by_index, self.max_slots), targets,
                                                  next_tokens)
         with self._lock:

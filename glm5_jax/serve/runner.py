@@ -85,16 +85,21 @@ class Sampled(NamedTuple):
     top_logprobs: np.ndarray
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _sample_slots(logits, state: SamplingState, slots, mask, top_wanted, allowed):
-    """Samples rows of logits [R, V] with the sampler state of `slots` [R]; only rows where
-    mask [R] advance their slot's state (keys, counts). top_wanted: bool scalar, whether any row
-    reports top alternatives. allowed: [R, ceil(V/32)] int32 bitmask of the tokens each row may
-    sample (constrained decoding; all bits set = free)."""
+def _sample_rows(logits, rows: SamplingState, logprobs_wanted, allowed, advance=None):
+    """Samples rows of logits [R, V] with their own sampler state rows [R, ...] (the state of
+    each row's slot). logprobs_wanted: bool scalar, whether any row reports log-probabilities.
+    allowed: [R, ceil(V/32)] int32 bitmask of the tokens each row may sample (constrained
+    decoding; all bits set = free). advance: see `sample`. Returns `sample`'s tuple."""
     logits = constrain(logits, (None, None))  # on a mesh: whole rows (the vocab gathered) for the sampler
-    logits = apply_allowed_bits(logits, allowed)
-    tokens, logprobs, top_ids, top_logprobs, rows = sample(logits, slot_rows(state, slots), MAX_TOP_LOGPROBS,
-                                                           top_wanted)
+    return sample(apply_allowed_bits(logits, allowed), rows, MAX_TOP_LOGPROBS, logprobs_wanted, advance)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _sample_slots(logits, state: SamplingState, slots, mask, logprobs_wanted, allowed):
+    """`_sample_rows` with the sampler state of `slots` [R]; only rows where mask [R] advance
+    their slot's state (keys, counts)."""
+    rows = slot_rows(state, slots)
+    tokens, logprobs, top_ids, top_logprobs, rows = _sample_rows(logits, rows, logprobs_wanted, allowed)
     return tokens, logprobs, top_ids, top_logprobs, put_slot_rows(state, rows, slots, mask)
 
 
@@ -109,7 +114,7 @@ def _score(logits, targets):
 
 @functools.partial(jax.jit, static_argnames=("config", "options", "block_pages"),
                    donate_argnames=("cache", "state", "drafts"))
-def _mixed_step(config, params, cache, state, batch: StepBatch, sample_rows, slots, mask, top_wanted,
+def _mixed_step(config, params, cache, state, batch: StepBatch, sample_rows, slots, mask, logprobs_wanted,
                 allowed, targets, drafts, next_tokens, *, options, block_pages):
     """One step. targets: None, or [Gc * Qc] int32 next-token ids of the chunk tokens (-1 =
     none) to score every chunk token's logits against (prompt log-probabilities). drafts: None,
@@ -124,7 +129,7 @@ def _mixed_step(config, params, cache, state, batch: StepBatch, sample_rows, slo
                                        block_pages=block_pages, with_hidden=True)
     sampled = sample_rows.shape[0]
     tokens, logprobs, top_ids, top_logprobs, state = _sample_slots(logits[:sampled], state, slots, mask,
-                                                                   top_wanted, allowed)
+                                                                   logprobs_wanted, allowed)
     scores = None if targets is None else _score(logits[sampled:], targets)
     if drafts is not None:
         sampled_rows = jnp.where(mask, sample_rows, next_tokens.shape[0])  # out of range: dropped
@@ -138,7 +143,7 @@ def _mixed_step(config, params, cache, state, batch: StepBatch, sample_rows, slo
 @functools.partial(jax.jit, static_argnames=("config", "options", "block_pages", "steps"),
                    donate_argnames=("cache", "state"))
 def decode_loop(config: ModelConfig, params, cache, state: SamplingState, tokens, positions, tables, slots,
-                remaining, stop_ids, top_wanted, allowed, *, options, block_pages: int, steps: int):
+                remaining, stop_ids, logprobs_wanted, allowed, *, options, block_pages: int, steps: int):
     """Up to `steps` decode steps on the device.
 
     tokens, positions, slots, remaining: [R] int32 (position -1 = padding row; remaining = tokens
@@ -154,28 +159,32 @@ def decode_loop(config: ModelConfig, params, cache, state: SamplingState, tokens
                jnp.zeros((steps, rows, MAX_TOP_LOGPROBS), jnp.int32),
                jnp.zeros((steps, rows, MAX_TOP_LOGPROBS), jnp.float32))
 
+    # The rows' sampler state is read from its slots once and written back once, not per step.
+    started = (positions >= 0) & (remaining > 0)  # rows that may run at all (a row never restarts)
+    row_state = slot_rows(state, slots)
+
     def body(carry):
-        step, cache, state, tokens, positions, remaining, outputs = carry
+        step, cache, row_state, tokens, positions, remaining, outputs = carry
         active = (positions >= 0) & (remaining > 0)
         batch = StepBatch(tokens, jnp.where(active, positions, -1), empty_chunk, empty_chunk, tables)
         logits, cache = paged_step(config, params, cache, batch, jnp.arange(rows), options=options,
                                    block_pages=block_pages)
-        new, logprobs, top_ids, top_logprobs, state = _sample_slots(logits, state, slots, active, top_wanted,
-                                                                    allowed)
+        new, logprobs, top_ids, top_logprobs, row_state = _sample_rows(logits, row_state, logprobs_wanted,
+                                                                       allowed, active)
         new = jnp.where(active, new, -1)
         outputs = tuple(out.at[step].set(value) for out, value in
                         zip(outputs, (new, logprobs, top_ids, top_logprobs), strict=True))
         stopped = jnp.any(new[:, None] == stop_ids, axis=-1) & (new >= 0)
         remaining = jnp.where(stopped, 0, remaining - 1)
-        return step + 1, cache, state, new, jnp.where(active, positions + 1, -1), remaining, outputs
+        return step + 1, cache, row_state, new, jnp.where(active, positions + 1, -1), remaining, outputs
 
     def more(carry):
         step, _, _, _, positions, remaining, _ = carry
         return (step < steps) & jnp.any((positions >= 0) & (remaining > 0))
 
-    carry = (jnp.int32(0), cache, state, tokens, positions, remaining, outputs)
-    _, cache, state, tokens, positions, remaining, outputs = jax.lax.while_loop(more, body, carry)
-    return outputs, (tokens, positions, remaining), cache, state
+    carry = (jnp.int32(0), cache, row_state, tokens, positions, remaining, outputs)
+    _, cache, row_state, tokens, positions, remaining, outputs = jax.lax.while_loop(more, body, carry)
+    return outputs, (tokens, positions, remaining), cache, put_slot_rows(state, row_state, slots, started)
 
 
 class ModelRunner:
@@ -266,7 +275,7 @@ class ModelRunner:
         return np.full((rows, bitmask_words(self.config.vocab_size)), ALL_ALLOWED, np.int32)
 
     def mixed_step(self, batch: StepBatch, sample_rows: np.ndarray, slots: np.ndarray,
-                   mask: np.ndarray, top_wanted: bool = True, allowed: np.ndarray | None = None,
+                   mask: np.ndarray, logprobs_wanted: bool = True, allowed: np.ndarray | None = None,
                    targets: np.ndarray | None = None, next_tokens: np.ndarray | None = None
                    ) -> tuple[Sampled, Scored | None]:
         """One step; samples rows sample_rows [R] of the flat batch for `slots` [R] where mask,
@@ -281,7 +290,7 @@ class ModelRunner:
         with self._on_mesh():
             outputs, scores, self.cache, self.sampling, self.drafts = _mixed_step(
                 self.config, self.params, self.cache, self.sampling, jax.tree.map(jnp.asarray, batch),
-                jnp.asarray(sample_rows), jnp.asarray(slots), jnp.asarray(mask), jnp.asarray(top_wanted),
+                jnp.asarray(sample_rows), jnp.asarray(slots), jnp.asarray(mask), jnp.asarray(logprobs_wanted),
                 jnp.asarray(allowed), None if targets is None else jnp.asarray(targets), self.drafts,
                 None if self.drafts is None else jnp.asarray(next_tokens),
                 options=self.options, block_pages=self.block_pages)
@@ -289,7 +298,7 @@ class ModelRunner:
         return Sampled(*(np.asarray(a) for a in outputs)), scored
 
     def launch_decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int,
-                      top_wanted: bool = True, allowed: np.ndarray | None = None) -> DecodeCall:
+                      logprobs_wanted: bool = True, allowed: np.ndarray | None = None) -> DecodeCall:
         """Dispatches `decode_loop` and returns at once. tokens, positions, remaining may be host
         arrays or the device state of the previous call (`DecodeCall`), for a continuation.
         allowed: token bitmask [R, ceil(V/32)] (None = all tokens)."""
@@ -297,12 +306,12 @@ class ModelRunner:
         with self._on_mesh():
             outputs, (tokens, positions, remaining), self.cache, self.sampling = decode_loop(
                 self.config, self.params, self.cache, self.sampling, *(jnp.asarray(a) for a in (
-                    tokens, positions, tables, slots, remaining, stop_ids, top_wanted, allowed)),
+                    tokens, positions, tables, slots, remaining, stop_ids, logprobs_wanted, allowed)),
                 options=self.options, block_pages=self.block_pages, steps=steps)
         return DecodeCall(outputs, tokens, positions, remaining)
 
     def launch_speculative(self, tokens, positions, tables, limits, slots, remaining, stop_ids, steps: int,
-                           top_wanted: bool = True) -> DecodeCall:
+                           logprobs_wanted: bool = True) -> DecodeCall:
         """Dispatches `speculative.speculative_loop` (`steps` rounds of speculative_tokens drafts)
         and returns at once; inputs as `launch_decode`, plus limits [R]: the positions each row's
         pages cover. Rows must be eligible (no penalties, no constraint: see speculative.py)."""
@@ -310,7 +319,7 @@ class ModelRunner:
             outputs, (tokens, positions, remaining), counts, self.cache, self.sampling, self.drafts = \
                 speculative_loop(self.config, self.params, self.cache, self.sampling, self.drafts,
                                  *(jnp.asarray(a) for a in (tokens, positions, tables, limits, slots,
-                                                            remaining, stop_ids, top_wanted)),
+                                                            remaining, stop_ids, logprobs_wanted)),
                                  options=self.options, block_pages=self.block_pages, steps=steps,
                                  num_drafts=self.speculative_tokens)
         return DecodeCall(outputs, tokens, positions, remaining, counts)
@@ -321,10 +330,10 @@ class ModelRunner:
         return Sampled(*(np.asarray(a) for a in call.outputs))
 
     def decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int,
-               top_wanted: bool = True, allowed: np.ndarray | None = None) -> Sampled:
+               logprobs_wanted: bool = True, allowed: np.ndarray | None = None) -> Sampled:
         """`decode_loop` on host arrays, waited for; returns [steps, R] host arrays."""
         return self.fetch(self.launch_decode(tokens, positions, tables, slots, remaining, stop_ids, steps,
-                                             top_wanted, allowed))
+                                             logprobs_wanted, allowed))
 
     def cache_lost(self) -> bool:
         """True when a failed step consumed (donated) the page pool or the sampler state, or left

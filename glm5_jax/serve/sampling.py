@@ -217,6 +217,27 @@ def filter_logits(scaled_logits: jax.Array, state: SamplingState) -> jax.Array:
     return jnp.full_like(scaled_logits, -jnp.inf).at[rows, sorted_ids].set(filtered)
 
 
+def first_argmax(values: jax.Array, block: int = 128) -> jax.Array:
+    """jnp.argmax over the last axis ([..., V] -> [...] int32, the first of tied maxima, NaN
+    counting as the maximum), as a max per block of `block` entries, then the first block holding
+    the maximum, then the position in it: XLA:CPU runs argmax's (value, index) reduction
+    serially, ~7x slower than this at [32, 4096]."""
+    *lead, size = values.shape
+    padded = -(-size // block) * block
+    if padded != size:  # -inf padding sits after every real entry: never the first maximum
+        values = jnp.pad(values, [(0, 0)] * len(lead) + [(0, padded - size)], constant_values=-jnp.inf)
+    blocks = values.reshape(*lead, padded // block, block)
+
+    def first_of_max(x):  # plain reductions vectorise; the variadic one does not
+        is_max = (x == jnp.max(x, axis=-1, keepdims=True)) | jnp.isnan(x)
+        iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+        return jnp.min(jnp.where(is_max, iota, x.shape[-1]), axis=-1)
+
+    block_index = first_of_max(jnp.max(blocks, axis=-1))
+    in_block = jnp.take_along_axis(blocks, block_index[..., None, None], axis=-2)[..., 0, :]
+    return block_index * block + first_of_max(in_block)
+
+
 def slot_rows(tree, slots):
     """Rows `slots` [R] of a per-slot state (any pytree of [S, ...] arrays)."""
     return jax.tree.map(lambda a: a[slots], tree)
@@ -247,7 +268,8 @@ def _draw(key_data: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]
 
 
 @functools.partial(jax.jit, static_argnames="num_top_logprobs")
-def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int, top_wanted: jax.Array | None = None
+def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int,
+           logprobs_wanted: jax.Array | None = None, advance: jax.Array | None = None
            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, SamplingState]:
     """Samples one token per slot; jitted, `num_top_logprobs` static.
 
@@ -255,17 +277,21 @@ def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int, top_w
       logits: [S, V] model logits (cast to f32).
       state: the `SamplingState` of S slots.
       num_top_logprobs: n, how many top alternatives to report (0..V).
-      top_wanted: optional bool scalar; when False the top alternatives are skipped (zeros).
+      logprobs_wanted: optional bool scalar; when False no log-probabilities are computed (the
+        token's and the top alternatives' come back as zeros).
+      advance: optional [S] bool, the slots whose state moves on (key split, token counted);
+        default all.
 
     Returns (tokens, token_logprobs, top_ids, top_logprobs, new_state):
       tokens [S] int32; token_logprobs [S] f32, log_softmax of the RAW logits at `tokens`;
       top_ids [S, n] int32 and top_logprobs [S, n] f32, the n best raw log-probabilities,
-      descending; new_state with each token counted in output_counts and every slot's key split.
+      descending; new_state with each advancing slot's token counted in output_counts and its
+      key split.
 
     Processing per slot (vLLM order): repetition penalty, presence / frequency penalties,
     temperature, top_k, top_p, min_p, categorical draw; temperature 0 = argmax of the penalised
-    logits. Every slot is processed and counted, active or not: the engine ignores idle slots'
-    tokens and `set_slot` resets a slot's history.
+    logits. Every slot is processed, active or not: the engine ignores idle slots' tokens and
+    `set_slot` resets a slot's history.
     """
     num_slots, vocab_size = state.output_counts.shape
     if logits.shape != (num_slots, vocab_size):
@@ -273,34 +299,39 @@ def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int, top_w
     if not 0 <= num_top_logprobs <= vocab_size:
         raise ValueError(f"num_top_logprobs must be in [0, {vocab_size}], got {num_top_logprobs}")
     raw = logits.astype(jnp.float32)
+    advance = jnp.ones((num_slots,), jnp.bool_) if advance is None else advance
 
-    penalised = apply_penalties(raw, state)
-    greedy_tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    # Batches where no slot penalises (the common case) skip the [S, V] penalty arithmetic; the
+    # conds return tokens, not logits (a branch that passed [S, V] through would copy it).
+    penalising = jnp.any((state.repetition_penalty != 1.0) | (state.presence_penalty != 0.0)
+                         | (state.frequency_penalty != 0.0))
+    greedy_tokens = jax.lax.cond(penalising, lambda: first_argmax(apply_penalties(raw, state)),
+                                 lambda: first_argmax(raw))
 
     # All-greedy batches skip the processing and the draws (and keep their keys: no row here
     # samples).
     new_keys, sampled_tokens = jax.lax.cond(
         jnp.any(state.temperature > 0),
-        lambda: jax.vmap(_draw)(state.keys, processed_logits(penalised, state)),
+        lambda: jax.vmap(_draw)(state.keys, processed_logits(apply_penalties(raw, state), state)),
         lambda: (state.keys, greedy_tokens))
     tokens = jnp.where(state.temperature > 0, sampled_tokens, greedy_tokens)
 
-    raw_logprobs = jax.nn.log_softmax(raw, axis=-1)
-    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    if num_top_logprobs:
-        def top():
-            values, ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
-            return values, ids.astype(jnp.int32)
+    def reported():
+        # log_softmax's arithmetic at the chosen tokens; the whole [S, V] only for the top ones.
+        row_max = jnp.max(raw, axis=-1, keepdims=True)
+        log_total = jnp.log(jnp.sum(jnp.exp(raw - row_max), axis=-1))
+        chosen = (jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - row_max[:, 0]) - log_total
+        if not num_top_logprobs:
+            return chosen, jnp.zeros((num_slots, 0), jnp.float32), jnp.zeros((num_slots, 0), jnp.int32)
+        values, ids = jax.lax.top_k(jax.nn.log_softmax(raw, axis=-1), num_top_logprobs)
+        return chosen, values, ids.astype(jnp.int32)
 
-        def skipped():
-            return (jnp.zeros((num_slots, num_top_logprobs), jnp.float32),
-                    jnp.zeros((num_slots, num_top_logprobs), jnp.int32))
+    def skipped():
+        return (jnp.zeros((num_slots,), jnp.float32), jnp.zeros((num_slots, num_top_logprobs), jnp.float32),
+                jnp.zeros((num_slots, num_top_logprobs), jnp.int32))
 
-        top_logprobs, top_ids = top() if top_wanted is None else jax.lax.cond(top_wanted, top, skipped)
-    else:
-        top_logprobs = jnp.zeros((num_slots, 0), jnp.float32)
-        top_ids = jnp.zeros((num_slots, 0), jnp.int32)
-
-    counts = state.output_counts.at[jnp.arange(num_slots), tokens].add(1)
-    new_state = state.replace(keys=new_keys, output_counts=counts)
+    token_logprobs, top_logprobs, top_ids = (reported() if logprobs_wanted is None
+                                             else jax.lax.cond(logprobs_wanted, reported, skipped))
+    counts = state.output_counts.at[jnp.arange(num_slots), tokens].add(advance.astype(jnp.int32))
+    new_state = state.replace(keys=jnp.where(advance[:, None], new_keys, state.keys), output_counts=counts)
     return tokens, token_logprobs, top_ids, top_logprobs, new_state

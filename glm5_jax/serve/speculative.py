@@ -38,7 +38,14 @@ from flax import struct
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.paged_decode import StepBatch, paged_mtp_step, paged_step
 from glm5_jax.serve.acceptance import accept_drafts
-from glm5_jax.serve.sampling import PRNG_IMPL, SamplingState, processed_logits, put_slot_rows, slot_rows
+from glm5_jax.serve.sampling import (
+    PRNG_IMPL,
+    SamplingState,
+    first_argmax,
+    processed_logits,
+    put_slot_rows,
+    slot_rows,
+)
 from glm5_jax.serve.types import MAX_TOP_LOGPROBS
 
 _CHAIN, _NEXT_ROUND, _ACCEPT = 1, 1000, 2000  # fold_in tags of a round's key
@@ -63,7 +70,7 @@ def sampling_probs(logits, rows: SamplingState):
     """The distribution `sampling.sample` draws from, for eligible rows (no penalties):
     logits [R, V] -> probs [R, V] float32 (greedy rows: one-hot argmax), argmax [R] int32."""
     raw = logits.astype(jnp.float32)
-    greedy = jnp.argmax(raw, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(raw)
     probs = jnp.where(rows.temperature[:, None] > 0, jax.nn.softmax(processed_logits(raw, rows), axis=-1),
                       jax.nn.one_hot(greedy, raw.shape[-1], dtype=jnp.float32))
     return probs, greedy
@@ -107,7 +114,7 @@ def mtp_after_step(config: ModelConfig, params, cache, drafts: DraftState, rows:
 @functools.partial(jax.jit, static_argnames=("config", "options", "block_pages", "steps", "num_drafts"),
                    donate_argnames=("cache", "state", "drafts"))
 def speculative_loop(config: ModelConfig, params, cache, state: SamplingState, drafts: DraftState, tokens,
-                     positions, tables, limits, slots, remaining, stop_ids, top_wanted, *, options,
+                     positions, tables, limits, slots, remaining, stop_ids, logprobs_wanted, *, options,
                      block_pages: int, steps: int, num_drafts: int):
     """Up to `steps` speculative rounds (see the module docs) on the device.
 
@@ -176,18 +183,18 @@ def speculative_loop(config: ModelConfig, params, cache, state: SamplingState, d
         stopped = first_stop < count  # a stop token is among the emitted ones
         kept = offsets[None, :] < count[:, None]
         emitted = jnp.where(kept, verified, -1)
-        raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(rows, width, -1)
-        logprobs = jnp.take_along_axis(raw, jnp.maximum(emitted, 0)[..., None], axis=-1)[..., 0]
-
-        def top():
+        def reported():
+            raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(rows, width, -1)
+            chosen = jnp.take_along_axis(raw, jnp.maximum(emitted, 0)[..., None], axis=-1)[..., 0]
             values, ids = jax.lax.top_k(raw, MAX_TOP_LOGPROBS)
-            return ids.astype(jnp.int32), values
+            return chosen, ids.astype(jnp.int32), values
 
         def skipped():
-            return (jnp.zeros((rows, width, MAX_TOP_LOGPROBS), jnp.int32),
+            return (jnp.zeros((rows, width), jnp.float32),
+                    jnp.zeros((rows, width, MAX_TOP_LOGPROBS), jnp.int32),
                     jnp.zeros((rows, width, MAX_TOP_LOGPROBS), jnp.float32))
 
-        top_ids, top_logprobs = jax.lax.cond(top_wanted, top, skipped)
+        logprobs, top_ids, top_logprobs = jax.lax.cond(logprobs_wanted, reported, skipped)
         values = (emitted, logprobs, top_ids, top_logprobs)
         outputs = tuple(jax.lax.dynamic_update_slice_in_dim(out, jnp.swapaxes(value, 0, 1), step * width, 0)
                         for out, value in zip(outputs, values, strict=True))
