@@ -36,9 +36,17 @@ def finish_prefill(scheduler, plan):
 
 
 def test_shapes():
-    assert chunk_geometries(256) == [(16, 16), (4, 64), (1, 256)]
-    assert chunk_geometries(16) == [(1, 16)]
+    assert chunk_geometries(256) == [(4, 16), (1, 64), (16, 16), (4, 64), (1, 256)]
+    assert chunk_geometries(64) == [(1, 16), (4, 16), (1, 64)] and chunk_geometries(16) == [(1, 16)]
     assert decode_buckets(32) == [1, 4, 16, 32] and decode_buckets(3) == [1, 3] and decode_buckets(1) == [1]
+    # The padded tokens follow the prompts: one short prompt gets a quarter-budget step, sixteen
+    # a full one.
+    for prompts, geometry in ((1, (1, 64)), (3, (4, 16)), (16, (16, 16))):
+        scheduler = make(num_pages=200, max_slots=16, budget=256)
+        for i in range(prompts):
+            scheduler.add(sequence(f"p{i}", 30 if prompts == 1 else 16, first=100 * i))
+        scheduler.admit()
+        assert scheduler.plan().geometry == geometry
 
 
 def test_prefill_geometry_then_multi_step_decode():

@@ -6,7 +6,7 @@ Each iteration the engine asks for one `StepPlan`:
     `decode_steps` decode steps for all of them (pages for those steps are reserved up front);
   - `MixedPlan` otherwise: one step with a decode token for every decoding sequence and prefill
     chunks of the others, packed into one of a few fixed chunk geometries (rows x tokens) of
-    `token_budget` tokens, so the compile count stays constant in steady state.
+    `token_budget` tokens or a quarter of it, so the compile count stays constant in steady state.
 While a decode call runs, `continue_decode` plans the next one for the same sequences (the
 engine dispatches it before reading the running call's tokens) whenever no host decision is
 needed in between. When pages run out the most recently admitted sequence is preempted: its
@@ -64,10 +64,11 @@ class MixedPlan:
 
 
 def chunk_geometries(token_budget: int) -> list[tuple[int, int]]:
-    """(rows, tokens per row) shapes of `token_budget` prefill tokens: many short rows for many
-    short prompts, one long row for one long prompt."""
-    lengths = sorted({q for q in (16, 64, token_budget) if q <= token_budget})
-    return [(token_budget // q, q) for q in lengths]
+    """(rows, tokens per row) shapes of prefill chunks: many short rows for many short prompts,
+    one long row for one long prompt; of `token_budget` tokens and of a quarter of it, so that a
+    few short prompts (one client's) do not pay for a full budget (a step costs its padded rows)."""
+    totals = sorted({token_budget} | ({token_budget // 4} if token_budget >= 64 else set()))
+    return [(total // q, q) for total in totals for q in sorted({q for q in (16, 64, total) if q <= total})]
 
 
 def decode_buckets(max_slots: int) -> list[int]:
@@ -206,7 +207,8 @@ class Scheduler:
             if sequence in self.running:
                 self._grow(sequence, sequence.computed + 1, preempted)
         prefills = [s for s in self.running if s.pending > 1]
-        geometry = max(self.geometries, key=lambda g: (self._covered(prefills, g), -g[1]))
+        # The most prompt tokens; of those, the fewest padded ones, then the shortest rows.
+        geometry = max(self.geometries, key=lambda g: (self._covered(prefills, g), -g[0] * g[1], -g[1]))
         rows, length = geometry
         chunks = []
         for sequence in prefills[:rows]:
