@@ -86,6 +86,10 @@ class RequestStream:
         self.cached_tokens = 0
         self._loop = loop
         self._events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+        # Events the engine thread delivered and the loop has not queued yet: one loop wake-up
+        # per burst (a multi-step decode's tokens), not one per token.
+        self._handover: list[GenerationEvent] = []
+        self._handover_lock = threading.Lock()
         self.finished = False
 
     def cancel(self) -> None:
@@ -99,10 +103,20 @@ class RequestStream:
     def _deliver(self, event: GenerationEvent) -> None:  # engine thread
         if event.finish_reason is not None:
             self.finished = True
+        with self._handover_lock:
+            self._handover.append(event)
+            if len(self._handover) > 1:  # a hand-over is already scheduled
+                return
         try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._hand_over)
         except RuntimeError:  # the event loop is gone (client and server shut down)
             pass
+
+    def _hand_over(self) -> None:  # event loop
+        with self._handover_lock:
+            events, self._handover = self._handover, []
+        for event in events:
+            self._events.put_nowait(event)
 
     def __aiter__(self):
         return self._iterate()
