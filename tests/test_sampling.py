@@ -252,6 +252,12 @@ def test_first_argmax_equals_argmax_on_ties_nan_and_padding():
             assert got.dtype == np.int32
             np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(np.asarray(first(jnp.asarray(rows)))[1:6], [5, 0, 290, 0, 0])
+    # The draw built on it is jax.random.categorical's, token for token.
+    logits = jnp.asarray(np.random.default_rng(6).normal(size=(64, 300)), jnp.float32)
+    keys = jax.random.split(jax.random.key(7), 64)
+    ours = jax.jit(jax.vmap(sampling.categorical))(keys, logits)
+    reference = jax.vmap(jax.random.categorical)(keys, logits)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(reference))
 
 
 # --- logprobs -----------------------------------------------------------------------------------

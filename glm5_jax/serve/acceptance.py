@@ -16,7 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-PRNG_IMPL = "threefry2x32"
+from glm5_jax.serve.sampling import PRNG_IMPL, categorical
+
 # fold_in tags: the acceptance uniforms and the next-token draw use independent streams of a row's key.
 _ACCEPT_STREAM = 0
 _NEXT_TOKEN_STREAM = 1
@@ -31,8 +32,8 @@ def _row_categorical(keys: jax.Array, weights: jax.Array) -> jax.Array:
     """[R] keys, [R, V] nonnegative unnormalised weights -> [R] int32 token drawn per row."""
     # categorical is shift-invariant in log space, so the weights need no normalising.
     logits = jnp.log(weights)
-    draw = lambda k, row: jax.random.categorical(jax.random.fold_in(k, _NEXT_TOKEN_STREAM), row)
-    return jax.vmap(draw)(keys, logits).astype(jnp.int32)
+    draw = lambda k, row: categorical(jax.random.fold_in(k, _NEXT_TOKEN_STREAM), row)
+    return jax.vmap(draw)(keys, logits)
 
 
 def _accepted_prefix(ok: jax.Array) -> jax.Array:

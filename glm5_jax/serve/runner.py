@@ -99,7 +99,7 @@ def _sample_slots(logits, state: SamplingState, slots, mask, logprobs_wanted, al
     """`_sample_rows` with the sampler state of `slots` [R]; only rows where mask [R] advance
     their slot's state (keys, counts)."""
     rows = slot_rows(state, slots)
-    tokens, logprobs, top_ids, top_logprobs, rows = _sample_rows(logits, rows, logprobs_wanted, allowed)
+    tokens, logprobs, top_ids, top_logprobs, rows = _sample_rows(logits, rows, logprobs_wanted, allowed, mask)
     return tokens, logprobs, top_ids, top_logprobs, put_slot_rows(state, rows, slots, mask)
 
 

@@ -238,6 +238,12 @@ def first_argmax(values: jax.Array, block: int = 128) -> jax.Array:
     return block_index * block + first_of_max(in_block)
 
 
+def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """jax.random.categorical(key, logits) over the last axis (the same Gumbel-max draw, the same
+    tokens) with `first_argmax`: [..., V] -> [...] int32."""
+    return first_argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
+
+
 def slot_rows(tree, slots):
     """Rows `slots` [R] of a per-slot state (any pytree of [S, ...] arrays)."""
     return jax.tree.map(lambda a: a[slots], tree)
@@ -263,8 +269,7 @@ def processed_logits(penalised: jax.Array, state: SamplingState) -> jax.Array:
 def _draw(key_data: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One slot: key data [2], logits [V] -> (next key data [2], sampled index int32)."""
     next_key, use_key = jax.random.split(jax.random.wrap_key_data(key_data, impl=PRNG_IMPL))
-    index = jax.random.categorical(use_key, logits).astype(jnp.int32)
-    return jax.random.key_data(next_key), index
+    return jax.random.key_data(next_key), categorical(use_key, logits)
 
 
 @functools.partial(jax.jit, static_argnames="num_top_logprobs")
@@ -308,10 +313,10 @@ def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int,
     greedy_tokens = jax.lax.cond(penalising, lambda: first_argmax(apply_penalties(raw, state)),
                                  lambda: first_argmax(raw))
 
-    # All-greedy batches skip the processing and the draws (and keep their keys: no row here
-    # samples).
+    # Batches where no advancing row samples (all greedy, or only idle slots at temperature > 0)
+    # skip the processing and the draws and keep their keys.
     new_keys, sampled_tokens = jax.lax.cond(
-        jnp.any(state.temperature > 0),
+        jnp.any((state.temperature > 0) & advance),
         lambda: jax.vmap(_draw)(state.keys, processed_logits(apply_penalties(raw, state), state)),
         lambda: (state.keys, greedy_tokens))
     tokens = jnp.where(state.temperature > 0, sampled_tokens, greedy_tokens)

@@ -41,6 +41,7 @@ from glm5_jax.serve.acceptance import accept_drafts
 from glm5_jax.serve.sampling import (
     PRNG_IMPL,
     SamplingState,
+    categorical,
     first_argmax,
     processed_logits,
     put_slot_rows,
@@ -79,7 +80,7 @@ def sampling_probs(logits, rows: SamplingState):
 def draw_drafts(logits, rows: SamplingState, keys):
     """Draft tokens [R] and their distributions [R, V] from MTP logits [R, V]; keys [R] typed."""
     probs, greedy = sampling_probs(logits, rows)
-    drawn = jax.vmap(lambda key, p: jax.random.categorical(key, jnp.log(p)))(keys, probs).astype(jnp.int32)
+    drawn = jax.vmap(lambda key, p: categorical(key, jnp.log(p)))(keys, probs)
     return jnp.where(rows.temperature > 0, drawn, greedy), probs
 
 
