@@ -221,7 +221,7 @@ def first_argmax(values: jax.Array, block: int = 128) -> jax.Array:
     """jnp.argmax over the last axis ([..., V] -> [...] int32, the first of tied maxima, NaN
     counting as the maximum), as a max per block of `block` entries, then the first block holding
     the maximum, then the position in it: XLA:CPU runs argmax's (value, index) reduction
-    serially, ~7x slower than this at [32, 4096]."""
+    serially, ~3x slower than this at [32, 4096] and ~5x at [1, 4096]."""
     *lead, size = values.shape
     padded = -(-size // block) * block
     if padded != size:  # -inf padding sits after every real entry: never the first maximum
