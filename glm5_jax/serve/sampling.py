@@ -322,13 +322,11 @@ def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int,
     tokens = jnp.where(state.temperature > 0, sampled_tokens, greedy_tokens)
 
     def reported():
-        # log_softmax's arithmetic at the chosen tokens; the whole [S, V] only for the top ones.
-        row_max = jnp.max(raw, axis=-1, keepdims=True)
-        log_total = jnp.log(jnp.sum(jnp.exp(raw - row_max), axis=-1))
-        chosen = (jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - row_max[:, 0]) - log_total
+        log_probs = jax.nn.log_softmax(raw, axis=-1)
+        chosen = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
         if not num_top_logprobs:
             return chosen, jnp.zeros((num_slots, 0), jnp.float32), jnp.zeros((num_slots, 0), jnp.int32)
-        values, ids = jax.lax.top_k(jax.nn.log_softmax(raw, axis=-1), num_top_logprobs)
+        values, ids = jax.lax.top_k(log_probs, num_top_logprobs)
         return chosen, values, ids.astype(jnp.int32)
 
     def skipped():
