@@ -44,58 +44,93 @@ def normal_init(stddev: float):
     return nn.initializers.normal(stddev=stddev)
 
 
-def _batched_einsum(x: jax.Array, weight: jax.Array, out_dtype) -> jax.Array:
-    """x [G, C, I] . weight [G, I, O] -> [G, C, O] in out_dtype."""
-    return jnp.einsum("GCI,GIO->GCO", x, weight, preferred_element_type=out_dtype)
+def mixed_einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
+    """jnp.einsum of two operands (spec "A,B->C", no axis summed within one operand) whose dots,
+    forward and backward, multiply the operands in their own dtype and accumulate in float32;
+    the result in out_dtype (default a's). Under a mesh: the plain einsum, whose partitioning
+    GSPMD chooses (the backward's row-major copies would make it gather the operands).
+
+    Why not autodiff's backward: in bfloat16 it multiplies bfloat16 cotangents into bfloat16
+    results, which XLA:CPU runs in float32, off AMX (here the cotangent is cast to the compute
+    dtype, as torch.autocast does); and at any dtype XLA:CPU picks an operand to transpose
+    inside the fusion that produces it (e.g. SwiGLU's backward transposing the gate gradient
+    for the weight gradient), whose strided writes ran ~10x slower than its row-major ones."""
+    out_dtype = jnp.dtype(out_dtype or a.dtype)
+    if not jax.sharding.get_abstract_mesh().empty:
+        return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
+    return _mixed_einsum(spec, out_dtype, a, b)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _contiguous_matmul(x: jax.Array, weight: jax.Array, out_dtype) -> jax.Array:
-    return _batched_einsum(x, weight, out_dtype)
+def _accumulated(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+    """A bfloat16 dot that asks for a bfloat16 result runs in float32 on XLA:CPU: ask for float32."""
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _contiguous_matmul_forward(x, weight, out_dtype):
-    return _batched_einsum(x, weight, out_dtype), (x, weight)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _mixed_einsum(spec, out_dtype, a, b):
+    return _accumulated(spec, a, b, out_dtype)
 
 
-def _contiguous_matmul_backward(out_dtype, saved, d_out):
-    """Gradients in the output's dtype, returned in the inputs'. The weight gradient multiplies
-    x^T, copied contiguous first (the barrier keeps XLA from folding the transpose back into the
-    dot): left to itself, XLA:CPU transposes the output gradient instead, inside the fusion that
-    produces it (e.g. SwiGLU's backward), whose strided writes ran ~10x slower than its
-    row-major ones."""
-    x, weight = saved
-    d_x = jnp.einsum("GCO,GIO->GCI", d_out, weight.astype(d_out.dtype)).astype(x.dtype)
-    x_t = jax.lax.optimization_barrier(jnp.swapaxes(x, 1, 2).astype(d_out.dtype))  # [G, I, C]
-    d_weight = jnp.einsum("GIC,GCO->GIO", x_t, d_out).astype(weight.dtype)
-    return d_x, d_weight
+def _mixed_einsum_forward(spec, out_dtype, a, b):
+    return _accumulated(spec, a, b, out_dtype), (a, b)
 
 
-_contiguous_matmul.defvjp(_contiguous_matmul_forward, _contiguous_matmul_backward)
+def _mixed_einsum_backward(spec, out_dtype, saved, d_out):
+    a, b = saved
+    inputs, out = spec.replace(" ", "").split("->")
+    a_axes, b_axes = inputs.split(",")
+    if not set(a_axes) <= set(b_axes + out) or not set(b_axes) <= set(a_axes + out):
+        raise ValueError(f"mixed_einsum: {spec!r} sums an axis within one operand")
+    d_out = d_out.astype(a.dtype)
+    d_a = _accumulated_canonical(out, d_out, b_axes, b.astype(a.dtype), a_axes)
+    d_b = _accumulated_canonical(a_axes, a.astype(b.dtype), out, d_out.astype(b.dtype), b_axes)
+    return d_a.astype(a.dtype), d_b.astype(b.dtype)
+
+
+_mixed_einsum.defvjp(_mixed_einsum_forward, _mixed_einsum_backward)
+
+
+def _accumulated_canonical(x_axes: str, x: jax.Array, y_axes: str, y: jax.Array, out_axes: str):
+    """einsum x_axes,y_axes->out_axes in float32 with x copied row-major as [batch, free,
+    contracted] first. XLA:CPU would otherwise read x through a layout whose contracted axes are
+    not minor: its bfloat16 dot kernels reject that, and on some shapes (an attention key
+    gradient, contracting the query axis) the fallback fails outright ("Unsupported element
+    type for DotThunk::Execute: BF16 x BF16 = F32", jax 0.10.2)."""
+    batch = [axis for axis in x_axes if axis in y_axes and axis in out_axes]
+    free = [axis for axis in x_axes if axis not in y_axes]
+    contracted = [axis for axis in x_axes if axis in y_axes and axis not in out_axes]
+    order = "".join(batch + free + contracted)
+    if order != x_axes:
+        x = _row_major_transpose(x, tuple(x_axes.index(axis) for axis in order))
+    return jnp.einsum(f"{order},{y_axes}->{out_axes}", x, y, preferred_element_type=jnp.float32)
+
+
+def _row_major_transpose(x: jax.Array, permutation: tuple[int, ...]) -> jax.Array:
+    """jnp.transpose materialised row-major. A transpose of the minor axes alone becomes a layout
+    change that XLA:CPU folds into the consuming dot, which then reads a column-major operand:
+    a layout its bfloat16 (AMX) kernels reject, so the dot is upcast to float32 (4-7x slower at
+    the weight gradients' shapes). Through a view with a trailing unit axis the transpose stays
+    a copy; the barrier keeps XLA from folding it back into the dot."""
+    moved = jnp.transpose(x[..., None], permutation + (x.ndim,))
+    return jax.lax.optimization_barrier(moved.reshape(moved.shape[:-1]))
 
 
 def batched_matmul(x: jax.Array, weight: jax.Array, out_dtype=None) -> jax.Array:
-    """x [G, C, I] . weight [G, I, O] -> [G, C, O] (out_dtype: default x's), the weight gradient
-    from a contiguous x^T (`_contiguous_matmul_backward`) when no mesh is active; under a mesh
-    the plain einsum, whose partitioning GSPMD chooses (the copy would make it gather x)."""
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if jax.sharding.get_abstract_mesh().empty:
-        return _contiguous_matmul(x, weight, out_dtype)
-    return _batched_einsum(x, weight, out_dtype)
+    """x [G, C, I] . weight [G, I, O] -> [G, C, O] (out_dtype: default x's), `mixed_einsum`."""
+    return mixed_einsum("GCI,GIO->GCO", x, weight, out_dtype)
 
 
 def project(x: jax.Array, weight: jax.Array, out_dtype=None) -> jax.Array:
-    """x [..., I] . weight [I, O] -> [..., O] (out_dtype: default x's), as `batched_matmul`."""
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    """x [..., I] . weight [I, O] -> [..., O] (out_dtype: default x's), `mixed_einsum`."""
     if not jax.sharding.get_abstract_mesh().empty:  # x's axes as they are sharded
-        return jnp.einsum("...I,IO->...O", x, weight, preferred_element_type=out_dtype)
-    flat = _contiguous_matmul(x.reshape(1, -1, x.shape[-1]), weight[None], out_dtype)
+        return jnp.einsum("...I,IO->...O", x, weight, preferred_element_type=jnp.dtype(out_dtype or x.dtype))
+    flat = mixed_einsum("CI,IO->CO", x.reshape(-1, x.shape[-1]), weight, out_dtype)
     return flat.reshape(x.shape[:-1] + weight.shape[-1:])
 
 
 def vocab_logits(x: jax.Array, lm_head: jax.Array) -> jax.Array:
     """Logits of a vocabulary-wide projection in float32. x: [B, T, D]; lm_head: [D, V] in x's
-    dtype. Returns [B, T, V]. Its weight gradient multiplies a contiguous x^T (`project`):
+    dtype. Returns [B, T, V]. Its weight gradient multiplies a contiguous x^T (`mixed_einsum`):
     moe16 train step 3.19 -> 3.03 s (docs/benchmarks.md)."""
     return project(x, lm_head, jnp.float32)
 

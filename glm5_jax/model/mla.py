@@ -32,7 +32,15 @@ from glm5_jax.model.dsa import (
     whole_sequence,
 )
 from glm5_jax.model.dsa_training import attention_target, indexer_kl
-from glm5_jax.model.layers import apply_rope, declare_weight, normal_init, rms_norm, rope_angles
+from glm5_jax.model.layers import (
+    apply_rope,
+    declare_weight,
+    mixed_einsum,
+    normal_init,
+    project,
+    rms_norm,
+    rope_angles,
+)
 from glm5_jax.parallel import constrain, shards
 
 
@@ -74,7 +82,7 @@ def attention_probs(query: jax.Array, key: jax.Array, allowed: jax.Array) -> jax
     """Masked softmax in float32. query: [B, T, N, H]; key: [B, S, N, H]; allowed: bool [B, T, S].
     Returns [B, N, T, S] float32."""
     scale = query.shape[-1] ** -0.5
-    logits = jnp.einsum("BTNH,BSNH->BNTS", query, key, preferred_element_type=jnp.float32)
+    logits = mixed_einsum("BTNH,BSNH->BNTS", query, key, jnp.float32)
     logits = jnp.where(allowed[:, None], logits * scale, jnp.finfo(jnp.float32).min)
     return jax.nn.softmax(logits, axis=-1)
 
@@ -103,28 +111,28 @@ def attend_causal_blocks(query: jax.Array, key: jax.Array, value: jax.Array, all
 
 def attend_with(probs: jax.Array, value: jax.Array) -> jax.Array:
     """probs: [B, N, T, S]; value: [B, S, N, Hv] -> [B, T, N, Hv]."""
-    return jnp.einsum("BNTS,BSNH->BTNH", probs.astype(value.dtype), value)
+    return mixed_einsum("BNTS,BSNH->BTNH", probs.astype(value.dtype), value)
 
 
 def query_path(x, q_a_proj, q_a_norm, q_b_proj, eps: float, nope_dim: int):
     """x: [B, T, D] -> (q_latent [B, T, Rq] normalised, q_nope [B, T, N, nope], q_rope [B, T, N, rope]
     not yet rotated). Weights: q_a_proj [D, Rq], q_a_norm [Rq], q_b_proj [Rq, N, nope + rope]."""
-    q_latent = rms_norm(x @ q_a_proj, q_a_norm, eps)
-    query = jnp.einsum("BTR,RNH->BTNH", q_latent, q_b_proj)
+    q_latent = rms_norm(project(x, q_a_proj), q_a_norm, eps)
+    query = mixed_einsum("BTR,RNH->BTNH", q_latent, q_b_proj)
     return q_latent, query[..., :nope_dim], query[..., nope_dim:]
 
 
 def kv_latent(x, kv_a_proj, kv_a_norm, kv_lora_rank: int, eps: float):
     """x: [B, S, D] -> (latent [B, S, Rkv] normalised, k_rope [B, S, rope] not yet rotated): the
     per-token quantities a decode cache keeps. kv_a_proj: [D, Rkv + rope]; kv_a_norm: [Rkv]."""
-    compressed = x @ kv_a_proj
+    compressed = project(x, kv_a_proj)
     return rms_norm(compressed[..., :kv_lora_rank], kv_a_norm, eps), compressed[..., kv_lora_rank:]
 
 
 def expand_latent(latent, k_rope, kv_b_proj, nope_dim: int):
     """Per-head keys and values from the latent. latent: [B, S, Rkv]; k_rope: [B, S, rope] (rotated);
     kv_b_proj: [Rkv, N, nope + Hv]. Returns (key [B, S, N, nope + rope], value [B, S, N, Hv])."""
-    kv = jnp.einsum("BSR,RNH->BSNH", latent, kv_b_proj)
+    kv = mixed_einsum("BSR,RNH->BSNH", latent, kv_b_proj)
     k_nope, value = kv[..., :nope_dim], kv[..., nope_dim:]
     k_rope = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + k_rope.shape[-1:])
     return jnp.concatenate([k_nope, k_rope], axis=-1), value
@@ -271,7 +279,7 @@ class MLAttention(nn.Module):
             if training_dsa:
                 self._sow_indexer_kl(probs, scores[0], dsa_allowed, top_k, kinds)
             out = attend_with(probs, value)  # [B, T, N, Hv]
-        out = jnp.einsum("BTNH,NHD->BTD", out, o_proj)
+        out = mixed_einsum("BTNH,NHD->BTD", out, o_proj)
         return out, indices, gap
 
     def _sow_indexer_kl(self, probs, scores, dsa_allowed, selected, kinds: LayerKinds):
