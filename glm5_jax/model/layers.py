@@ -47,8 +47,9 @@ def normal_init(stddev: float):
 def mixed_einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
     """jnp.einsum of two operands (spec "A,B->C", no axis summed within one operand) whose dots,
     forward and backward, multiply the operands in their own dtype and accumulate in float32;
-    the result in out_dtype (default a's). Under a mesh: the plain einsum, whose partitioning
-    GSPMD chooses (the backward's row-major copies would make it gather the operands).
+    the result in out_dtype (default a's). Under a mesh, and off the CPU, autodiff's backward
+    of the same einsum: GSPMD chooses its partitioning (the row-major copies below would make
+    it gather the operands), and GPU/TPU GEMMs read transposed operands without copies.
 
     Why not autodiff's backward: in bfloat16 it multiplies bfloat16 cotangents into bfloat16
     results, which XLA:CPU runs in float32, off AMX (here the cotangent is cast to the compute
@@ -56,8 +57,8 @@ def mixed_einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype=None) -> jax.A
     inside the fusion that produces it (e.g. SwiGLU's backward transposing the gate gradient
     for the weight gradient), whose strided writes ran ~10x slower than its row-major ones."""
     out_dtype = jnp.dtype(out_dtype or a.dtype)
-    if not jax.sharding.get_abstract_mesh().empty:
-        return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
+    if not jax.sharding.get_abstract_mesh().empty or jax.default_backend() != "cpu":
+        return _accumulated(spec, a, b, out_dtype)
     return _mixed_einsum(spec, out_dtype, a, b)
 
 
