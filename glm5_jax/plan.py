@@ -345,7 +345,9 @@ def _plan_serve(args, config, options, mesh, rules):
     params_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                              params, params_sharding)
     params_in = serving_layout(config, params_in, options)  # as the engine's runner holds them
-    cache = jax.eval_shape(lambda: init_paged_cache(config, num_pages, page_size, options.compute_dtype))
+    # The plan is for accelerators (on fake CPU devices): their pools keep the compute dtype.
+    cache = jax.eval_shape(lambda: init_paged_cache(config, num_pages, page_size, options.compute_dtype,
+                                                    on_cpu=False))
     whole = sharding.replicated(mesh)
     cache_shardings = jax.tree.map(lambda leaf: whole, cache)  # every device's heads read the latent
     cache_in = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=whole), cache)
@@ -360,7 +362,7 @@ def _plan_serve(args, config, options, mesh, rules):
             config, params_in, cache_in, batch, vector, options=options, block_pages=block_pages).lower())
     params_bytes = sharding.bytes_per_device(params, params_sharding)
     cache_bytes = sharding.bytes_per_device(cache, cache_shardings)
-    per_token = paged_cache_bytes_per_page(config, page_size, options.compute_dtype) / page_size
+    per_token = paged_cache_bytes_per_page(config, page_size, options.compute_dtype, on_cpu=False) / page_size
     weights = f"weights ({args.quantize or options.param_dtype})"
     lines = [f"paged decode step: {batch_rows} sequences x 1 new token, {args.context} cached positions each "
              f"({num_pages} pages of {page_size}; {per_token / 1024:.1f} KiB per token, replicated)"]

@@ -3,6 +3,7 @@ in scrambled pages, fed in prefill chunks and decode tokens that share steps (wi
 tokens), give forward's logits at every position; page copies to host and back are exact."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference import perturbed_params
@@ -43,11 +44,11 @@ def schedule(lengths, chunk):
     return steps
 
 
-def paged_logits(config, params, sequences, chunk, options=None):
+def paged_logits(config, params, sequences, chunk, options=None, on_cpu=None):
     """Teacher-forced paged run; single tokens go to decode rows, longer runs to chunk rows (one
     padded row shape). Returns {sequence: logits [len, V]}."""
     num_pages = len(sequences) * MAX_PAGES + 1
-    cache = init_paged_cache(config, num_pages, PAGE)
+    cache = init_paged_cache(config, num_pages, PAGE, options and options.compute_dtype, on_cpu=on_cpu)
     params = serving_layout(config, params, options)  # as the engine's runner holds them
     unrolled = (options or ExecutionOptions()).scan_unroll >= config.num_moe_layers
     assert isinstance(params["moe_layers"], tuple) == unrolled
@@ -112,6 +113,24 @@ def test_paged_rows_equal_forward_rows(tiny_config, variant, options, chunk):
     for s, sequence in enumerate(sequences):
         np.testing.assert_allclose(paged[s], np.asarray(outputs["logits"][s, :len(sequence)]), atol=1e-4,
                                    rtol=1e-4)
+
+
+def test_bfloat16_pool_stored_as_float32_on_cpu_gives_the_same_logits(tiny_config):
+    """A CPU stores a bfloat16 page pool as float32 (`page_storage_dtype`: XLA:CPU converted
+    the whole bfloat16 pool at every gather and scatter). The values stay bfloat16 ones: the
+    logits equal those over a pool stored in bfloat16, bit for bit."""
+    config = tiny_config.replace(num_mtp_layers=0, num_layers=2, indexer_types=["full"] * 2,
+                                 attention_types=["dsa", "sliding_window"], sliding_window=5)
+    params = perturbed_params(config, 3)
+    rng = np.random.default_rng(5)
+    sequences = [rng.integers(0, config.vocab_size, n).tolist() for n in (13, 9, 11)]
+    options = ExecutionOptions(dtype="bfloat16")
+    wide, wide_cache = paged_logits(config, params, sequences, (5, 1, 3), options, on_cpu=True)
+    narrow, narrow_cache = paged_logits(config, params, sequences, (5, 1, 3), options, on_cpu=False)
+    assert {leaf.dtype for leaf in jax.tree.leaves(wide_cache)} == {jnp.dtype(jnp.float32)}
+    assert {leaf.dtype for leaf in jax.tree.leaves(narrow_cache)} == {jnp.dtype(jnp.bfloat16)}
+    for s in range(len(sequences)):
+        np.testing.assert_array_equal(wide[s], narrow[s])
 
 
 def test_padding_writes_nothing_and_pages_round_trip(tiny_config):

@@ -162,23 +162,41 @@ def _cache_stacks(config: ModelConfig, mtp: bool) -> dict[str, tuple[int, tuple[
     return stacks
 
 
-def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None, mtp: bool = False):
+def page_storage_dtype(dtype, on_cpu: bool | None = None):
+    """The dtype a page pool of cache values in `dtype` is stored in: `dtype` itself, except
+    16-bit floats on XLA:CPU, stored as float32 (the values stay exactly those of `dtype`: the
+    step rounds what it writes to `dtype` and reads it back in `dtype`). XLA:CPU gathers and
+    scatters 16-bit floats by converting the whole operand to float32 and back, so each step
+    converted every page of the pool: bfloat16 serving ran 4-7x slower than float32, at a cost
+    that followed --max-context x slots rather than the tokens in use. Twice the pool's memory
+    on a CPU; GPU/TPU pools keep the compute dtype. on_cpu: None = JAX's default backend is the CPU."""
+    dtype = jnp.dtype(dtype or ExecutionOptions().compute_dtype)
+    on_cpu = jax.default_backend() == "cpu" if on_cpu is None else on_cpu
+    widened = on_cpu and dtype.itemsize < 4 and jnp.issubdtype(dtype, jnp.floating)
+    return jnp.dtype(jnp.float32) if widened else dtype
+
+
+def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None, mtp: bool = False,
+                     on_cpu: bool | None = None):
     """Zeroed page pool: {stack: {"latent": [L * P, page, Rkv], "k_rope": [L * P, page, rope],
-    "index_keys": [L * P, page, H] (stacks with a DSA layer only)}}. dtype: the cache's (pass
-    the step's options.compute_dtype; None = the default options' float32). mtp: add the MTP
-    layer's stack "mtp" (speculative decoding's draft; pages hold it like any other layer)."""
+    "index_keys": [L * P, page, H] (stacks with a DSA layer only)}}. dtype: the cache values'
+    (pass the step's options.compute_dtype; None = the default options' float32), stored as
+    `page_storage_dtype(dtype, on_cpu)`. mtp: add the MTP layer's stack "mtp"
+    (speculative decoding's draft; pages hold it like any other layer)."""
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
-    dtype = dtype or ExecutionOptions().compute_dtype
+    dtype = page_storage_dtype(dtype, on_cpu)
     widths = {"latent": config.kv_lora_rank, "k_rope": config.qk_rope_head_dim,
               "index_keys": config.index_head_dim}
     return {stack: {name: jnp.zeros((size * num_pages, page_size, widths[name]), dtype) for name in names}
             for stack, (size, names) in _cache_stacks(config, mtp).items()}
 
 
-def paged_cache_bytes_per_page(config: ModelConfig, page_size: int, dtype=None, mtp: bool = False) -> int:
-    """Bytes one page occupies across all layers (and the MTP layer's stack when mtp)."""
-    itemsize = jnp.dtype(dtype or ExecutionOptions().compute_dtype).itemsize
+def paged_cache_bytes_per_page(config: ModelConfig, page_size: int, dtype=None, mtp: bool = False,
+                               on_cpu: bool | None = None) -> int:
+    """Bytes one page occupies across all layers (and the MTP layer's stack when mtp), stored
+    as `page_storage_dtype(dtype, on_cpu)`."""
+    itemsize = page_storage_dtype(dtype, on_cpu).itemsize
     widths = {"latent": config.kv_lora_rank, "k_rope": config.qk_rope_head_dim,
               "index_keys": config.index_head_dim}
     stacks = _cache_stacks(config, mtp).values()
@@ -189,9 +207,10 @@ def paged_cache_bytes_per_page(config: ModelConfig, page_size: int, dtype=None, 
 # ----------------------------------------------------------------------------- page access
 
 
-def _write_pages(pages, values, page_index, row):
-    """pages: [P, page, F]; values: [T, F] to (page_index [T], row [T]); index P drops the write."""
-    return pages.at[page_index, row].set(values.astype(pages.dtype), mode="drop")
+def _write_pages(pages, values, page_index, row, dtype):
+    """pages: [P, page, F]; values: [T, F] to (page_index [T], row [T]) as values of `dtype`
+    (the compute dtype; pages may store them wider: `page_storage_dtype`); index P drops the write."""
+    return pages.at[page_index, row].set(values.astype(dtype).astype(pages.dtype), mode="drop")
 
 
 def _gather_positions(pages, tables, positions):
@@ -231,8 +250,8 @@ def _streamed_causal_attention(q_absorbed, q_rope, latent_pages, rope_pages, tab
 
     def body(block, carry):
         running_max, denominator, context = carry
-        latent = _row_block(latent_pages, tables, block, block_pages)  # [B, S, R]
-        k_rope = _row_block(rope_pages, tables, block, block_pages)
+        latent = _row_block(latent_pages, tables, block, block_pages).astype(q_absorbed.dtype)  # [B, S, R]
+        k_rope = _row_block(rope_pages, tables, block, block_pages).astype(q_rope.dtype)
         logits = (jnp.einsum("BTNR,BSR->BTNS", q_absorbed, latent, preferred_element_type=jnp.float32)
                   + jnp.einsum("BTNH,BSH->BTNS", q_rope, k_rope, preferred_element_type=jnp.float32)) * scale
         key_positions = block * block_size + jnp.arange(block_size)
@@ -256,8 +275,8 @@ def _streamed_causal_attention(q_absorbed, q_rope, latent_pages, rope_pages, tab
 def _selected_attention(q_absorbed, q_rope, latent_pages, rope_pages, tables, key_positions, scale: float):
     """Absorbed attention over each query's own key list. key_positions [B, T, K] (-1 = none).
     Returns the latent context [B, T, N, R] float32 (0 where a query has no key)."""
-    latent = _gather_positions(latent_pages, tables, key_positions)  # [G, Q, K, R]
-    k_rope = _gather_positions(rope_pages, tables, key_positions)
+    latent = _gather_positions(latent_pages, tables, key_positions).astype(q_absorbed.dtype)  # [G, Q, K, R]
+    k_rope = _gather_positions(rope_pages, tables, key_positions).astype(q_rope.dtype)
     logits = (jnp.einsum("BTNR,BTKR->BTNK", q_absorbed, latent, preferred_element_type=jnp.float32)
               + jnp.einsum("BTNH,BTKH->BTNK", q_rope, k_rope, preferred_element_type=jnp.float32)) * scale
     allowed = (key_positions >= 0)[:, :, None, :]
@@ -475,8 +494,8 @@ def _run_stack(config: ModelConfig, options: ExecutionOptions, geo: _Geometry, s
         matmul = functools.partial(linear, impl=impl, dtype=dtype)
         p = _project(config, w, normed, geo.positions[:, None], matmul)
         layer_cache = dict(layer_cache)
-        layer_cache["latent"] = _write_pages(layer_cache["latent"], p.latent[:, 0], write_index, geo.row)
-        layer_cache["k_rope"] = _write_pages(layer_cache["k_rope"], p.k_rope[:, 0], write_index, geo.row)
+        for name, values in (("latent", p.latent), ("k_rope", p.k_rope)):
+            layer_cache[name] = _write_pages(layer_cache[name], values[:, 0], write_index, geo.row, dtype)
         q_absorbed = head_inputs(p.q_nope, w["kv_b_proj"], 0, nope_dim, impl, dtype)[:, 0]  # [T, N, R]
         q_rope = p.q_rope[:, 0]
 
@@ -486,7 +505,7 @@ def _run_stack(config: ModelConfig, options: ExecutionOptions, geo: _Geometry, s
             keys = indexer_keys(normed, p.cos, p.sin, indexer["wk"], indexer["k_norm_scale"],
                                 indexer["k_norm_bias"], config.qk_rope_head_dim, config.index_norm_eps)
             layer_cache["index_keys"] = _write_pages(layer_cache["index_keys"], keys[:, 0], write_index,
-                                                     geo.row)
+                                                     geo.row, dtype)
 
             def run():
                 queries = indexer_queries(p.q_latent, p.cos, p.sin, indexer["wq_b"],
