@@ -47,19 +47,20 @@ def normal_init(stddev: float):
 def mixed_einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
     """jnp.einsum of two operands (spec "A,B->C", no axis summed within one operand) whose dots,
     forward and backward, multiply the operands in their own dtype and accumulate in float32;
-    the result in out_dtype (default a's). Under a mesh, and off the CPU, autodiff's backward
-    of the same einsum: GSPMD chooses its partitioning (the row-major copies below would make
-    it gather the operands), and GPU/TPU GEMMs read transposed operands without copies.
+    the result in out_dtype (default a's).
 
-    Why not autodiff's backward: in bfloat16 it multiplies bfloat16 cotangents into bfloat16
-    results, which XLA:CPU runs in float32, off AMX (here the cotangent is cast to the compute
-    dtype, as torch.autocast does); and at any dtype XLA:CPU picks an operand to transpose
-    inside the fusion that produces it (e.g. SwiGLU's backward transposing the gate gradient
-    for the weight gradient), whose strided writes ran ~10x slower than its row-major ones."""
+    Why not autodiff's backward: it multiplies the cotangent in the output's dtype, so a
+    float32 output (attention scores, the LM head) makes the backward dots float32 (off bfloat16
+    GEMMs on any device), and a bfloat16 one is a bfloat16-result dot, which XLA:CPU runs in
+    float32, off AMX. Here the cotangent is cast to the compute dtype, as torch.autocast does.
+    On XLA:CPU without a mesh each backward dot also reads its left operand as a row-major copy
+    (`_accumulated_canonical`): left to itself XLA:CPU transposes an operand inside the fusion
+    that produces it (e.g. SwiGLU's backward transposing the gate gradient for the weight
+    gradient), whose strided writes ran ~10x slower than row-major ones. Under a mesh the
+    copies would make GSPMD gather the operands; GPU/TPU GEMMs read transposed operands."""
     out_dtype = jnp.dtype(out_dtype or a.dtype)
-    if not jax.sharding.get_abstract_mesh().empty or jax.default_backend() != "cpu":
-        return _accumulated(spec, a, b, out_dtype)
-    return _mixed_einsum(spec, out_dtype, a, b)
+    row_major = jax.sharding.get_abstract_mesh().empty and jax.default_backend() == "cpu"
+    return _mixed_einsum(spec, out_dtype, row_major, a, b)
 
 
 def _accumulated(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
@@ -67,43 +68,44 @@ def _accumulated(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _mixed_einsum(spec, out_dtype, a, b):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _mixed_einsum(spec, out_dtype, row_major, a, b):
     return _accumulated(spec, a, b, out_dtype)
 
 
-def _mixed_einsum_forward(spec, out_dtype, a, b):
+def _mixed_einsum_forward(spec, out_dtype, row_major, a, b):
     return _accumulated(spec, a, b, out_dtype), (a, b)
 
 
-def _mixed_einsum_backward(spec, out_dtype, saved, d_out):
+def _mixed_einsum_backward(spec, out_dtype, row_major, saved, d_out):
     a, b = saved
     inputs, out = spec.replace(" ", "").split("->")
     a_axes, b_axes = inputs.split(",")
     if not set(a_axes) <= set(b_axes + out) or not set(b_axes) <= set(a_axes + out):
         raise ValueError(f"mixed_einsum: {spec!r} sums an axis within one operand")
     d_out = d_out.astype(a.dtype)
-    d_a = _accumulated_canonical(out, d_out, b_axes, b.astype(a.dtype), a_axes)
-    d_b = _accumulated_canonical(a_axes, a.astype(b.dtype), out, d_out.astype(b.dtype), b_axes)
+    d_a = _accumulated_canonical(out, d_out, b_axes, b.astype(a.dtype), a_axes, row_major)
+    d_b = _accumulated_canonical(a_axes, a.astype(b.dtype), out, d_out.astype(b.dtype), b_axes, row_major)
     return d_a.astype(a.dtype), d_b.astype(b.dtype)
 
 
 _mixed_einsum.defvjp(_mixed_einsum_forward, _mixed_einsum_backward)
 
 
-def _accumulated_canonical(x_axes: str, x: jax.Array, y_axes: str, y: jax.Array, out_axes: str):
-    """einsum x_axes,y_axes->out_axes in float32 with x copied row-major as [batch, free,
-    contracted] first. XLA:CPU would otherwise read x through a layout whose contracted axes are
-    not minor: its bfloat16 dot kernels reject that, and on some shapes (an attention key
-    gradient, contracting the query axis) the fallback fails outright ("Unsupported element
+def _accumulated_canonical(x_axes: str, x: jax.Array, y_axes: str, y: jax.Array, out_axes: str,
+                           row_major: bool):
+    """einsum x_axes,y_axes->out_axes in float32; with row_major, x copied row-major as [batch,
+    free, contracted] first. XLA:CPU would otherwise read x through a layout whose contracted
+    axes are not minor: its bfloat16 dot kernels reject that, and on some shapes (an attention
+    key gradient, contracting the query axis) the fallback fails outright ("Unsupported element
     type for DotThunk::Execute: BF16 x BF16 = F32", jax 0.10.2)."""
     batch = [axis for axis in x_axes if axis in y_axes and axis in out_axes]
     free = [axis for axis in x_axes if axis not in y_axes]
     contracted = [axis for axis in x_axes if axis in y_axes and axis not in out_axes]
     order = "".join(batch + free + contracted)
-    if order != x_axes:
-        x = _row_major_transpose(x, tuple(x_axes.index(axis) for axis in order))
-    return jnp.einsum(f"{order},{y_axes}->{out_axes}", x, y, preferred_element_type=jnp.float32)
+    if row_major and order != x_axes:
+        x, x_axes = _row_major_transpose(x, tuple(x_axes.index(axis) for axis in order)), order
+    return jnp.einsum(f"{x_axes},{y_axes}->{out_axes}", x, y, preferred_element_type=jnp.float32)
 
 
 def _row_major_transpose(x: jax.Array, permutation: tuple[int, ...]) -> jax.Array:
