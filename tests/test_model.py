@@ -310,6 +310,24 @@ def test_contiguous_weight_gradients_equal_autodiff(case, dtype):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_bfloat16_attention_gradients_run_under_a_mesh():
+    """Under a mesh (no row-major copies in float32) a CPU still gets them for bfloat16 operands:
+    without, the attention key gradient failed to run ("Unsupported element type for
+    DotThunk::Execute: BF16 x BF16 = F32"). Same gradients as without a mesh."""
+    rng = np.random.default_rng(9)
+    query = jnp.asarray(rng.normal(size=(8, 64, 4, 48)), jnp.bfloat16)
+    key = jnp.asarray(rng.normal(size=(8, 128, 4, 48)), jnp.bfloat16)
+
+    def loss(query, key):
+        return jnp.sum(jnp.tanh(mixed_einsum("BTNH,BSNH->BNTS", query, key, jnp.float32)))
+
+    gradients = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        on_mesh = gradients(query, key)
+    for got, want in zip(on_mesh, gradients(query, key), strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_interleaved_rope_is_a_complex_rotation():
     rng = np.random.default_rng(8)
     x = rng.normal(size=(1, 5, 3, 8)).astype(np.float32)  # [B, T, N, R]

@@ -57,9 +57,11 @@ def mixed_einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype=None) -> jax.A
     (`_accumulated_canonical`): left to itself XLA:CPU transposes an operand inside the fusion
     that produces it (e.g. SwiGLU's backward transposing the gate gradient for the weight
     gradient), whose strided writes ran ~10x slower than row-major ones. Under a mesh the
-    copies would make GSPMD gather the operands; GPU/TPU GEMMs read transposed operands."""
+    copies would make GSPMD gather the operands, so there they are made for 16-bit operands
+    only, which XLA:CPU cannot always multiply otherwise; GPU/TPU GEMMs read transposed operands."""
     out_dtype = jnp.dtype(out_dtype or a.dtype)
-    row_major = jax.sharding.get_abstract_mesh().empty and jax.default_backend() == "cpu"
+    narrow = min(a.dtype.itemsize, b.dtype.itemsize) < 4
+    row_major = jax.default_backend() == "cpu" and (jax.sharding.get_abstract_mesh().empty or narrow)
     return _mixed_einsum(spec, out_dtype, row_major, a, b)
 
 
