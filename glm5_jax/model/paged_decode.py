@@ -165,7 +165,8 @@ def _cache_stacks(config: ModelConfig, mtp: bool) -> dict[str, tuple[int, tuple[
 def page_storage_dtype(dtype, on_cpu: bool | None = None):
     """The dtype a page pool of cache values in `dtype` is stored in: `dtype` itself, except
     16-bit floats on XLA:CPU, stored as float32 (the values stay exactly those of `dtype`: the
-    step rounds what it writes to `dtype` and reads it back in `dtype`). XLA:CPU gathers and
+    step rounds what it writes to `dtype`, and the reference attention reads it back in `dtype`;
+    the Pallas decode kernel, interpreted on a CPU, multiplies those values in float32). XLA:CPU gathers and
     scatters 16-bit floats by converting the whole operand to float32 and back, so each step
     converted every page of the pool: bfloat16 serving ran 4-7x slower than float32, at a cost
     that followed --max-context x slots rather than the tokens in use. Twice the pool's memory
