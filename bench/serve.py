@@ -143,6 +143,10 @@ def cpu_seconds_by_thread(pid: int) -> dict[str, float]:
     return totals
 
 
+def _listed(rates) -> str:
+    return ", ".join(f"{rate:.0f}" for rate in rates)
+
+
 def settle() -> None:
     """A pause between the two sides' rounds: torch's OpenMP threads spin-wait after their last
     op, and slowed XLA work that followed at once by up to 40% (bench/train_step.py)."""
@@ -174,7 +178,9 @@ def measure_against_reference(server: Server, reference: Reference, jax_forward,
     # transformers' batch-N generate and long forward.
     asyncio.run(round_of(port, prompts(rng, 2, args.prompt_tokens, vocab), 4))
     asyncio.run(round_of(port, prompts(rng, args.clients, args.prompt_tokens, vocab), args.max_tokens))
-    reference.generate(1), reference.generate(args.clients), reference.forward(), jax_forward()
+    for first_use in (lambda: reference.generate(1), lambda: reference.generate(args.clients),
+                      reference.forward, jax_forward):
+        first_use()
     settle()
 
     def http_rate(count):
@@ -188,8 +194,8 @@ def measure_against_reference(server: Server, reference: Reference, jax_forward,
     spent_in_ours = {"wall s": 0.0, "threads": {}, "clients": 0.0}
 
     def accounted_round():
-        before, client_before, wall = cpu_seconds_by_thread(server.process.pid), time.process_time(), \
-            time.perf_counter()
+        before = cpu_seconds_by_thread(server.process.pid)
+        client_before, wall = time.process_time(), time.perf_counter()
         rate = http_rate(args.clients)
         spent_in_ours["wall s"] += time.perf_counter() - wall
         spent_in_ours["clients"] += time.process_time() - client_before
@@ -206,15 +212,19 @@ def measure_against_reference(server: Server, reference: Reference, jax_forward,
                              "server XLA threads": xla / args.rounds,
                              "server other threads": (sum(threads.values()) - xla) / args.rounds,
                              "clients": spent_in_ours["clients"] / args.rounds}
-    listed = lambda rates: ", ".join(f"{rate:.0f}" for rate in rates)  # noqa: E731
-    log(f"{args.clients} clients: ours {ours[n_key]:.1f} tok/s (rounds: {listed(mine)}), "
-        f"transformers {theirs[n_key]:.1f} (rounds: {listed(reference_rates)}); "
+    log(f"{args.clients} clients: ours {ours[n_key]:.1f} tok/s (rounds: {_listed(mine)}), "
+        f"transformers {theirs[n_key]:.1f} (rounds: {_listed(reference_rates)}); "
         "ours per round (s): " + ", ".join(f"{k} {v:.2f}" for k, v in ours["cpu per round"].items()))
 
     def cold_ttft():  # a new prompt each time: no prefix-cache hit
         return asyncio.run(round_of(port, prompts(rng, 1, args.long_prompt, vocab), 1))[1][0][0]
 
-    mine, forwards = paired(args.rounds, cold_ttft, lambda: (reference.forward(), jax_forward()))
+    def one_forward_each():  # (transformers s, glm5_jax s), apart: torch's threads spin after it
+        torch_seconds = reference.forward()
+        settle()
+        return torch_seconds, jax_forward()
+
+    mine, forwards = paired(args.rounds, cold_ttft, one_forward_each)
     ours["cold TTFT s"] = statistics.median(mine)
     theirs["cold TTFT s"] = statistics.median(f[0] for f in forwards)
     jax_seconds = statistics.median(f[1] for f in forwards)
@@ -240,7 +250,7 @@ def decode_by_context(servers: dict[int, Server], args, rng, vocab) -> dict[int,
             rates[context].append(rates_of(server.port))
     for context, values in rates.items():
         log(f"--max-context {context}: decode {statistics.median(values):.1f} tok/s (8 clients; rounds: "
-            + ", ".join(f"{v:.0f}" for v in values) + ")")
+            f"{_listed(values)})")
     return {context: statistics.median(values) for context, values in rates.items()}
 
 
