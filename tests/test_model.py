@@ -310,6 +310,13 @@ def test_contiguous_weight_gradients_equal_autodiff(case, dtype):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_mixed_einsum_rejects_an_axis_summed_within_one_operand():
+    """Its backward cannot take such a spec: the call fails at once, naming it, not at the first
+    gradient."""
+    with pytest.raises(ValueError, match="'ab,bc->a' sums an axis within one operand"):
+        mixed_einsum("ab,bc->a", jnp.ones((2, 3)), jnp.ones((3, 4)))
+
+
 def test_bfloat16_attention_gradients_run_under_a_mesh():
     """Under a mesh (no row-major copies in float32) a CPU still gets them for bfloat16 operands:
     without, the attention key gradient failed to run ("Unsupported element type for

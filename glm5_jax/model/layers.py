@@ -59,10 +59,20 @@ def mixed_einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype=None) -> jax.A
     gradient), whose strided writes ran ~10x slower than row-major ones. Under a mesh the
     copies would make GSPMD gather the operands, so there they are made for 16-bit operands
     only, which XLA:CPU cannot always multiply otherwise; GPU/TPU GEMMs read transposed operands."""
+    _einsum_axes(spec)  # a spec the backward cannot take fails here, not at the first gradient
     out_dtype = jnp.dtype(out_dtype or a.dtype)
     narrow = min(a.dtype.itemsize, b.dtype.itemsize) < 4
     row_major = jax.default_backend() == "cpu" and (jax.sharding.get_abstract_mesh().empty or narrow)
     return _mixed_einsum(spec, out_dtype, row_major, a, b)
+
+
+def _einsum_axes(spec: str) -> tuple[str, str, str]:
+    """"A,B->C" -> (A, B, C); every axis of one operand must appear in the other or the output."""
+    inputs, out = spec.replace(" ", "").split("->")
+    a_axes, b_axes = inputs.split(",")
+    if not set(a_axes) <= set(b_axes + out) or not set(b_axes) <= set(a_axes + out):
+        raise ValueError(f"mixed_einsum: {spec!r} sums an axis within one operand")
+    return a_axes, b_axes, out
 
 
 def _accumulated(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
@@ -81,10 +91,7 @@ def _mixed_einsum_forward(spec, out_dtype, row_major, a, b):
 
 def _mixed_einsum_backward(spec, out_dtype, row_major, saved, d_out):
     a, b = saved
-    inputs, out = spec.replace(" ", "").split("->")
-    a_axes, b_axes = inputs.split(",")
-    if not set(a_axes) <= set(b_axes + out) or not set(b_axes) <= set(a_axes + out):
-        raise ValueError(f"mixed_einsum: {spec!r} sums an axis within one operand")
+    a_axes, b_axes, out = _einsum_axes(spec)
     d_out = d_out.astype(a.dtype)
     d_a = _accumulated_canonical(out, d_out, b_axes, b.astype(a.dtype), a_axes, row_major)
     d_b = _accumulated_canonical(a_axes, a.astype(b.dtype), out, d_out.astype(b.dtype), b_axes, row_major)
