@@ -347,3 +347,26 @@ def test_prompt_logprobs_equal_forward(model, engine):
         assert len(events) == max(max_tokens, 1) and events[-1].finish_reason == "length"
         assert all(e.prompt_logprobs is None for e in events[1:])
     assert events[0].token_id is None
+
+
+def test_scoring_without_output_answers_for_every_prompt_length(engine):
+    """max_tokens 0 + prompt scoring (lm-evaluation-harness' loglikelihood requests) answers
+    for a one-token prompt and for one whose last chunk leaves one token, alone and beside a
+    decoding request: the prompt's last token used to be planned as a decode row with nothing
+    to sample, and the request kept its slot for ever."""
+    score = SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=0)
+
+    async def scored(prompt):
+        return await asyncio.wait_for(collect_events(engine, prompt, score), timeout=60)
+
+    async def beside_a_decode(prompt):
+        decoding = collect_events(engine, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                    ignore_eos=True))
+        return await asyncio.wait_for(asyncio.gather(collect_events(engine, prompt, score), decoding),
+                                      timeout=60)
+
+    for prompt in ([7], list(range(2, 19))):  # 1 token; 17 = one 16-token chunk + 1
+        for events in (asyncio.run(scored(prompt)), asyncio.run(beside_a_decode(prompt))[0]):
+            assert [e.token_id for e in events] == [None] and events[-1].finish_reason == "length"
+            assert len(events[0].prompt_logprobs) == len(prompt)
+    assert engine.active_requests == 0

@@ -47,6 +47,12 @@ class Sequence:
     def pending(self) -> int:
         return len(self.tokens) - self.computed
 
+    @property
+    def decoding(self) -> bool:
+        """Its next step is a decode row: one token to run, and a token to sample after it. A
+        scored prompt with max_tokens 0 samples nothing: its last token runs as a chunk."""
+        return self.pending == 1 and self.generated < self.max_new
+
 
 @dataclasses.dataclass
 class DecodePlan:
@@ -190,7 +196,7 @@ class Scheduler:
     def plan(self) -> DecodePlan | MixedPlan | None:
         """The next step, or None when nothing runs."""
         preempted: list[tuple[Sequence, int]] = []
-        if self.running and all(s.pending == 1 for s in self.running):
+        if self.running and all(s.decoding for s in self.running):
             steps = self.decode_steps
             for sequence in list(self.running):
                 if sequence in self.running:
@@ -202,11 +208,11 @@ class Scheduler:
             if self.running:
                 return DecodePlan(list(self.running), steps, preempted)
             return None
-        decodes = [s for s in self.running if s.pending == 1]
+        decodes = [s for s in self.running if s.decoding]
         for sequence in decodes:
             if sequence in self.running:
                 self._grow(sequence, sequence.computed + 1, preempted)
-        prefills = [s for s in self.running if s.pending > 1]
+        prefills = [s for s in self.running if not s.decoding]
         # The most prompt tokens; of those, the fewest padded ones, then the shortest rows.
         geometry = max(self.geometries, key=lambda g: (self._covered(prefills, g), -g[0] * g[1], -g[1]))
         rows, length = geometry
