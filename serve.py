@@ -63,6 +63,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"(default: {WAITING_PER_SLOT} x --max-slots; 0 = unbounded)")
     parser.add_argument("--max-body-bytes", type=int, default=None,
                         help="larger request bodies are refused with 413 (default: 4 MiB)")
+    parser.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="a request's head (headers) and then its body must each arrive within this "
+                             "long, else 408 and the connection is closed (default: 30)")
+    parser.add_argument("--limit-concurrency", type=int, default=1024, metavar="N",
+                        help="open connections (or running requests) past which new requests get 503 at "
+                             "once (default: 1024)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM or Ctrl-C: stop accepting, answer queued requests 503, give running "
+                             "ones this long to finish, then end them (a streamed answer gets finish_reason "
+                             "\"abort\", an error event and [DONE]) and exit 0 (default: 30)")
     parser.add_argument("--max-context", type=int, default=1024,
                         help="most tokens (prompt + output) of one request (default: 1024)")
     parser.add_argument("--server-config", default=None,
@@ -150,9 +160,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                                ("--speculative-tokens", args.speculative_tokens, 0),
                                ("--host-cache-pages", args.host_cache_pages, 0),
                                ("--max-waiting", args.max_waiting, 0),
-                               ("--max-body-bytes", args.max_body_bytes, 1)):
+                               ("--max-body-bytes", args.max_body_bytes, 1),
+                               ("--limit-concurrency", args.limit_concurrency, 1)):
         if value is not None and value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
+    for flag, value in (("--read-timeout", args.read_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
+        if not value >= 0 or (flag == "--read-timeout" and value == 0):
+            parser.error(f"{flag} must be {'> 0' if flag == '--read-timeout' else '>= 0'}, got {value}")
     if args.max_waiting is None:
         args.max_waiting = WAITING_PER_SLOT * args.max_slots
     return args
@@ -231,7 +245,7 @@ def mesh_shardings(text: str, placed: dict, config, params=None):
 
 
 def main(argv=None) -> int:
-    """Serves until stopped: 0 after Ctrl-C / SIGTERM, 1 when the engine failed."""
+    """Serves until stopped: 0 after Ctrl-C / SIGTERM (drained), 1 when the engine failed."""
     args = parse_args(argv)
     if args.reuse_host_memory:  # before JAX starts its CPU threads
         from glm5_jax.host_memory import reuse_freed_memory
@@ -241,14 +255,13 @@ def main(argv=None) -> int:
     server_config = read_server_config(args.server_config)  # before the slow model load
     feedback_log = open_feedback_log(args.feedback_dir)
     # Imported here: loading JAX and the model is slow, and `--help` should not need it.
-    import uvicorn
-
     from glm5_jax.model.config import ConfigError
     from glm5_jax.parallel.mesh import MeshError
     from glm5_jax.runs import RunNotFoundError, checkpoint_options, load_any
     from glm5_jax.serve.api import DEFAULT_MAX_BODY_BYTES, create_app
     from glm5_jax.serve.chat import load_chat_template, load_special_tokens
     from glm5_jax.serve.engine import Engine, warm_up
+    from glm5_jax.serve.http_server import make_server, raise_open_file_limit
     from glm5_jax.serve.metrics import ServerMetrics
 
     # quantize is passed only when asked for, so loading works with any load_any.
@@ -278,7 +291,8 @@ def main(argv=None) -> int:
     app = create_app(engine, model_id, api_key=args.api_key, chat_template=load_chat_template(checkpoint),
                      special_tokens=load_special_tokens(checkpoint), server_config=server_config,
                      metrics=metrics, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                     reasoning_parser=args.reasoning_parser, feedback_log=feedback_log)
+                     reasoning_parser=args.reasoning_parser, feedback_log=feedback_log,
+                     body_timeout_s=args.read_timeout)
     print("compiling the engine step...", flush=True)
     warm_up(engine)
     aliases = f" (aliases: {', '.join(server_config.model_aliases)})" if server_config.model_aliases else ""
@@ -290,14 +304,14 @@ def main(argv=None) -> int:
           flush=True)
     if feedback_log is not None:
         print(f"collecting feedback in {feedback_log.path} (POST /v1/feedback)", flush=True)
-    # A short graceful shutdown: open streams are then cancelled, which frees their engine slots.
-    # No lifespan: the app has no startup work, and the engine is shut down here.
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           lifespan="off", timeout_graceful_shutdown=5))
+    raise_open_file_limit()  # each connection is a file
+    server = make_server(app, engine, host=args.host, port=args.port, log_level=args.log_level,
+                         shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.read_timeout,
+                         limit_concurrency=args.limit_concurrency)
     failure = None
     try:
         failure = serve_until_failure(server, engine)
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its own clean shutdown
+    except KeyboardInterrupt:  # a second Ctrl-C during the drain
         pass
     finally:
         engine.shutdown()

@@ -22,7 +22,7 @@ from glm5_jax.serve.chat_constraints import (
 )
 from glm5_jax.serve.chat_output import ChatOutput, message
 from glm5_jax.serve.reasoning import ReasoningParser, starts_in_reasoning
-from glm5_jax.serve.tool_calls import ToolCall, ToolCallParser, parse_call
+from glm5_jax.serve.tool_calls import ToolCall, ToolCallParser, function_schemas, parse_call
 from glm5_jax.serve.types import Constraint
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -93,9 +93,10 @@ def test_thinking_state_from_the_prompt():
     ("get_weather<arg_key>city</arg_key>stray<arg_value>x</arg_value>", None),
     ("get_weather<arg_key>city</arg_key><arg_value>x</arg_value>trailing", None),
     ("get weather", None),
+    ("x<arg_key>a</arg_key><arg_value>1</arg_value>", None),  # a function the request did not declare
 ])
 def test_parse_call(body, expected):
-    schemas = {"get_weather": WEATHER["function"]["parameters"]}
+    schemas = {"get_weather": WEATHER["function"]["parameters"], "clock": {}}
     call = parse_call(body, schemas)
     assert (call if call is None else (call.name, json.loads(call.arguments))) == expected
 
@@ -171,7 +172,7 @@ def test_forced_tool_call_regex_admits_only_the_markup_of_allowed_functions():
            good[0][:-3]]
     for text in good:
         assert re.fullmatch(regex, text), text
-        assert parse_call(text[len("<tool_call>"):-len("</tool_call>")], {}) is not None
+        assert parse_call(text[len("<tool_call>"):-len("</tool_call>")], function_schemas(TOOLS)) is not None
     for text in bad:
         assert not re.fullmatch(regex, text), text
     either = tool_call_regex(TOOLS, ["get_weather", "clock"], parallel=True)
@@ -198,7 +199,11 @@ def test_tool_choice_plans_and_constraints():
     assert output_constraint(named, None, thinking=False).after is None
     for tools, choice, param in [(None, "required", "tool_choice"), (TOOLS, "sometimes", "tool_choice"),
                                  (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
-                                 ([{"type": "function"}], None, "tools")]:
+                                 ([{"type": "function"}], None, "tools"),
+                                 # markup in a name would close its call and open another
+                                 ([{"type": "function", "function": {"name": "x</tool_call><tool_call>y"}}],
+                                  None, "tools"),
+                                 ([{"type": "function", "function": {"name": "a" * 65}}], None, "tools")]:
         with pytest.raises(InvalidFieldError) as caught:
             plan_tools(tools, choice, None)
         assert caught.value.param == param

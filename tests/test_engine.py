@@ -4,6 +4,7 @@ on a deliberately small page pool, chunked prefill and preemption leave the outp
 and prefix-cache hits (on the device or reloaded from host memory) give the same tokens."""
 
 import asyncio
+import threading
 
 import jax
 import numpy as np
@@ -13,7 +14,14 @@ from reference import greedy_chain, perturbed_params
 from glm5_jax.serve.engine import Engine
 from glm5_jax.serve.observer import EngineObserver
 from glm5_jax.serve.paged_cache import page_hashes
-from glm5_jax.serve.types import EngineUnavailableError, InvalidRequestError, QueueFullError, SamplingParams
+from glm5_jax.serve.types import (
+    SHUTTING_DOWN,
+    EngineUnavailableError,
+    InvalidRequestError,
+    QueueFullError,
+    SamplingParams,
+    ShuttingDownError,
+)
 
 # One xdist worker runs this module, so its fixtures (compiled engines) are built once.
 pytestmark = pytest.mark.xdist_group("engine")
@@ -311,17 +319,35 @@ def test_repeated_failures_stop_the_engine(model):
         engine.shutdown()
 
 
-def test_bounded_waiting_queue(model):
+def test_bounded_waiting_queue_and_drain(model):
+    """A full waiting queue refuses with QueueFullError; drain() ends the waiting requests with
+    "abort" (error SHUTTING_DOWN) and refuses new ones; shutdown() ends the rest the same way."""
     config, params = model
     engine = Engine(config, params, None, max_slots=1, max_context=16, token_budget=16, max_waiting=1)
-    engine.shutdown()  # no engine thread: submissions stay queued
+    hold, held = threading.Event(), threading.Event()
+    with engine._lock:  # the engine thread waits in a task: submissions stay queued
+        engine._tasks.append((lambda: (held.set(), hold.wait(30)), threading.Event()))
+    engine._wakeup.set()
+    assert held.wait(30)
 
-    async def two():
-        engine.submit([1, 2], SamplingParams())
-        engine.submit([1, 2], SamplingParams())
+    async def queue_then_drain():
+        queued = engine.submit([1, 2], SamplingParams(max_tokens=2))
+        with pytest.raises(QueueFullError, match="waiting queue is full"):
+            engine.submit([1, 2], SamplingParams())
+        engine.drain()
+        events = [event async for event in queued]
+        with pytest.raises(ShuttingDownError):
+            engine.submit([1, 2], SamplingParams())
+        return events
 
-    with pytest.raises(QueueFullError, match="waiting queue is full"):
-        asyncio.run(two())
+    try:
+        events = asyncio.run(queue_then_drain())
+        assert [(e.token_id, e.finish_reason, e.error) for e in events] == [(None, "abort", SHUTTING_DOWN)]
+        assert engine.idle
+    finally:
+        hold.set()
+        engine.shutdown()
+        engine.shutdown()  # a second call does nothing
 
 
 def test_prompt_logprobs_equal_forward(model, engine):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import secrets
 import time
 import uuid
@@ -40,7 +41,7 @@ from glm5_jax.serve.chat_constraints import (
 )
 from glm5_jax.serve.chat_output import ChatOutput, message
 from glm5_jax.serve.choices import Choices, respond
-from glm5_jax.serve.errors import APIError, add_error_handlers
+from glm5_jax.serve.errors import APIError, add_error_handlers, shutting_down_error
 from glm5_jax.serve.feedback_log import FeedbackLog, FeedbackRequest, answer_feedback, recording
 from glm5_jax.serve.limits import RateLimited, RateLimiter, Reservation
 from glm5_jax.serve.logprobs import (
@@ -73,20 +74,31 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
              "/detokenize", "/tokenizer_info", "/v1/feedback")
 # Far above any prompt the context allows (128k token ids as JSON are ~1 MB), far below memory trouble.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0
+MAX_JSON_DEPTH = 64  # JSON schemas and tool parameters nest far less; the template and grammar recurse
+_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins valid pairs: what is left is lone
+# Template variables the API sets itself: chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes:
+async def _read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
     """The body, refused with 413 as soon as it is known to be over max_bytes: by its Content-Length
-    up front, else (chunked) by counting while it streams in, so no oversized body is held."""
+    up front, else (chunked) by counting while it streams in, so no oversized body is held; 408
+    when it has not all come within timeout_s (a stalled client must not hold its connection)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise _too_large(max_bytes)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout_s:g} s",
+                       code="request_timeout") from None
     return b"".join(chunks)
 
 
@@ -95,14 +107,43 @@ def _too_large(max_bytes: int) -> APIError:
                     code="request_too_large")
 
 
-async def _parse(request: Request, model: type[BaseModel], max_bytes: int):
+async def _parse(request: Request, model: type[BaseModel], max_bytes: int, timeout_s: float):
     """The JSON body as `model`. Parsed here rather than by FastAPI so that a body sent without a JSON
     Content-Type (curl -d) still works and malformed JSON gets a clear message."""
+    body = await _read_body(request, max_bytes, timeout_s)
     try:
-        data = json.loads(await _read_body(request, max_bytes))
+        data = json.loads(body)
     except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
         raise APIError(400, f"The request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise APIError(400, f"The request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    _check_json(data)
     return model.model_validate(data)  # a ValidationError becomes a 400 in the app's handler
+
+
+def _check_json(data) -> None:
+    """400 for JSON nested deeper than MAX_JSON_DEPTH (the chat template, the grammar compiler and
+    the feedback log recurse into it) or holding a lone UTF-16 surrogate ("\\ud800": not Unicode,
+    so neither the tokenizer nor a UTF-8 file can take it), naming where; without recursion."""
+    stack = [(data, "body", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"The request body nests deeper than {MAX_JSON_DEPTH} levels (at {where})")
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise APIError(400, f"{where} holds a lone UTF-16 surrogate (e.g. \\ud800 without its "
+                                    "pair), which is not valid Unicode", where.split(".")[1].split("[")[0]
+                               if "." in where else None)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    raise APIError(400, f"a key in {where} holds a lone UTF-16 surrogate, which is not "
+                                        "valid Unicode")
+                stack.append((item, f"{where}.{key[:40]}", depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{index}]", depth + 1) for index, item in enumerate(value)
+                         if not isinstance(item, int))
 
 
 def _bearer_token(request: Request) -> str | None:
@@ -130,7 +171,7 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
                special_tokens: Mapping[str, str] | None = None, server_config: ServerConfig | None = None,
                metrics: ServerMetrics | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                reasoning_parser: str = "glm45", feedback_log: FeedbackLog | None = None,
-               clock=time.monotonic) -> FastAPI:
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, clock=time.monotonic) -> FastAPI:
     """The API app for `engine` serving `model_id`.
 
     api_key: when set, /v1/* (and /tokenize, /detokenize) require `Authorization: Bearer <api_key>`
@@ -142,8 +183,14 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     sees the HTTP layer. max_body_bytes: larger request bodies get 413. reasoning_parser: "glm45"
     splits the thinking block out of chat answers (reasoning_content), "none" leaves it in the
     content. feedback_log: when given, every finished answer is recorded in it and POST /v1/feedback
-    rates answers (without one, /v1/feedback answers 404). clock: the rate limiter's clock (seconds),
-    for tests.
+    rates answers (without one, /v1/feedback answers 404). body_timeout_s: a body not all received
+    by then gets 408. clock: the rate limiter's clock (seconds), for tests.
+
+    Every endpoint that costs work (completions, chat, tokenize, detokenize, feedback) counts
+    against the caller's requests-per-minute limit before its body is read, and its tokens once
+    they are known, so refused and oversized requests count too. Text is tokenized only when it
+    could fit the context (at most max_context x the longest token's bytes characters), in a
+    worker thread that does not hold the GIL.
 
     The engine contract beyond submit(): submit raises QueueFullError (answered 503 + Retry-After) or
     EngineUnavailableError (503); a stream may end with finish_reason "error" (a generic 500, or a
@@ -164,6 +211,34 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     require_key = bool(keys) and config.require_api_key
     limiter = RateLimiter(keys, config.default_limits, clock)
     names = dict.fromkeys((model_id, *config.model_aliases))  # ordered, no duplicates
+    # Longer text can never fit the context (no token is longer); shorter text is tokenized to see.
+    max_prompt_chars = engine.max_context * max(map(len, tokenizer.get_vocab()), default=1)
+    # Most engine requests one API request may make: more could never all be queued (a 400).
+    max_waiting = getattr(engine, "max_waiting", None)  # None: unbounded
+    capacity = MAX_GENERATIONS if max_waiting is None else min(MAX_GENERATIONS,
+                                                               engine.max_slots + max_waiting)
+
+    async def parse(request: Request, model: type[BaseModel]):
+        return await _parse(request, model, max_body_bytes, body_timeout_s)
+
+    def admit(request: Request) -> Reservation:
+        """Counts the request against the caller's limits before any work (429 when over)."""
+        caller = request.state.caller
+        try:
+            return limiter.acquire(caller.key, 0)
+        except RateLimited as exc:
+            metrics.rate_limited.labels(exc.limit, caller.name).inc()
+            headers = {} if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+            raise APIError(429, exc.message, None, "rate_limit_exceeded", "rate_limit_error",
+                           headers) from None
+
+    def check_text(text: str | int, param: str) -> None:
+        """400 for text (or a character count) that could never fit the context, before tokenizing."""
+        chars = text if isinstance(text, int) else len(text)
+        if chars > max_prompt_chars:
+            raise rejected("context_length_exceeded",
+                           f"{param} has {chars} characters, more than could fit this server's context "
+                           f"of {engine.max_context} tokens", param, "context_length_exceeded")
 
     async def check_api_key(request: Request):
         """Finds the caller's key entry (request.state.caller); all unknown keys (and no key) are one
@@ -177,6 +252,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
                            code="invalid_api_key")
         default = ApiKey("default", "", config.default_limits)
         request.state.caller = matches[0] if matches else default
+        if getattr(engine, "draining", False):
+            raise shutting_down_error()
 
     def check_model(model: str | None) -> None:
         if model is not None and model not in names:
@@ -194,8 +271,9 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         """Checks what SamplingParams.validate cannot (n, the context limit, token ids), then builds it.
         max_param: the name the client used for max_tokens (chat also takes max_completion_tokens).
         prompt_logprobs: set when scoring the prompt, which allows max_tokens 0."""
-        if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
-            raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", "n")
+        if body.n is not None and not 1 <= body.n <= min(MAX_CHOICES, capacity):
+            raise APIError(400, f"n must be between 1 and {min(MAX_CHOICES, capacity)} (this server runs "
+                                f"{engine.max_slots} requests and queues {max_waiting}), got {body.n}", "n")
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
         least = 0 if prompt_logprobs is not None else 1
@@ -240,11 +318,10 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
                            param, "context_length_exceeded")
         return prompt_ids
 
-    def start(request: Request, body: SamplingRequest, prompts: list[list[int]],
+    def start(request: Request, reservation: Reservation, body: SamplingRequest, prompts: list[list[int]],
               params: SamplingParams) -> Choices:
-        """Submits n engine requests per prompt (choice j seeded seed + j) after checking the caller's
-        rate limits: one reservation for the whole request (each prompt + the most output tokens
-        its n choices may produce)."""
+        """Submits n engine requests per prompt (choice j seeded seed + j) after extending the
+        request's reservation to each prompt + the most output tokens its n choices may produce."""
         n = body.n or 1
         caller = request.state.caller
         if feedback_log is not None and params.logprobs is None:
@@ -252,7 +329,7 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
             params = dataclasses.replace(params, logprobs=0)
         most = sum(len(ids) + n * min(params.max_tokens, engine.max_context - len(ids)) for ids in prompts)
         try:
-            reservation = limiter.acquire(caller.key, most)
+            reservation.extend(most)
         except RateLimited as exc:
             metrics.rate_limited.labels(exc.limit, caller.name).inc()
             headers = {} if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
@@ -275,6 +352,10 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         return Choices(generations, n, reservation)
 
     def render(messages, tools, kwargs, add_generation_prompt=True) -> str:
+        if reserved := sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs)):
+            raise APIError(400, f"chat_template_kwargs must not set {', '.join(reserved)}: send them as the "
+                                "request's own fields", "chat_template_kwargs")
+        check_text(sum(map(_text_chars, messages)), "messages")
         try:
             return renderer.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                    **kwargs)
@@ -285,7 +366,11 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
                            "messages") from exc
 
     def encode(text: str, add_special_tokens: bool = True) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids if text else []
+        # encode_batch releases the GIL (encode does not): a long prompt does not stall other streams.
+        return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids if text else []
+
+    def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
+        return tokenizer.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     v1 = APIRouter(dependencies=[Depends(check_api_key)])
     created = int(time.time())
@@ -294,6 +379,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     async def health():
         if engine.failure is not None:  # for load balancers and supervisors: take this one out
             return JSONResponse({"status": "unavailable", "reason": engine.failure}, status_code=503)
+        if getattr(engine, "draining", False):
+            return JSONResponse({"status": "draining"}, status_code=503)
         # The compile count shows recompilation in steady state (it should stop growing).
         return {"status": "ok", "compile_count": engine.compile_count}
 
@@ -312,7 +399,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     @v1.post("/v1/completions")
     async def completions(request: Request):
         request.state.request_id = request_id = f"cmpl-{uuid.uuid4().hex}"
-        body = await _parse(request, CompletionRequest, max_body_bytes)
+        reservation = admit(request)
+        body = await parse(request, CompletionRequest)
         check_model(body.model)
         if body.best_of not in (None, 1) or body.suffix:
             param = "suffix" if body.suffix else "best_of"
@@ -327,15 +415,21 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         params = dataclasses.replace(params, constraint=_field(response_format_constraint,
                                                                body.response_format, None))
         prompts = _prompt_list(body.prompt)
-        if len(prompts) * (body.n or 1) > MAX_GENERATIONS:
-            raise APIError(400, f"prompt: at most {MAX_GENERATIONS} prompts x n per request", "prompt")
+        if len(prompts) * (body.n or 1) > capacity:
+            raise APIError(400, f"prompt: at most {capacity} prompts x n per request (this server runs "
+                                f"{engine.max_slots} requests and queues {max_waiting})", "prompt")
         for prompt in prompts:
-            if not isinstance(prompt, str):
+            if isinstance(prompt, str):
+                check_text(prompt, "prompt")
+            else:
                 check_token_ids(prompt, "prompt")
-        ids = [await asyncio.to_thread(encode, p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = []
+        for prompt in prompts:
+            ids.append(await asyncio.to_thread(encode, prompt) if isinstance(prompt, str) else list(prompt))
+            reservation.charge(sum(map(len, ids)))  # tokenizer work counts if refused below
         ids = [prepared(body, prompt_ids, "prompt") for prompt_ids in ids]
-        echoes = [await asyncio.to_thread(tokenizer.decode, p) if body.echo else "" for p in ids]
-        choices = start(request, body, ids, params)
+        echoes = [await asyncio.to_thread(decode, p) if body.echo else "" for p in ids]
+        choices = start(request, reservation, body, ids, params)
         n, offsets, echoed = choices.n, [0] * len(choices.generations), [False] * len(choices.generations)
         base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model_id, "system_fingerprint": SYSTEM_FINGERPRINT}
@@ -385,7 +479,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         request.state.request_id = request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        body = await _parse(request, ChatRequest, max_body_bytes)
+        reservation = admit(request)
+        body = await parse(request, ChatRequest)
         check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
@@ -405,11 +500,12 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
             return prompt, encode(prompt, add_special_tokens=False)
 
         prompt, ids = await asyncio.to_thread(prompt_ids)
+        reservation.charge(len(ids))
         # GLM-5's template opens the thinking block itself: the output then starts inside it.
         thinking = starts_in_reasoning(prompt)
         constraint = _field(output_constraint, plan, body.response_format, thinking)
         params = dataclasses.replace(params, constraint=constraint)
-        choices = start(request, body, [prepared(body, ids, "messages")], params)
+        choices = start(request, reservation, body, [prepared(body, ids, "messages")], params)
         outputs = [ChatOutput(ReasoningParser(thinking) if reasoning_parser == "glm45" else None,
                               ToolCallParser(plan.tools, plan.max_calls) if plan.parse else None)
                    for _ in choices.generations]
@@ -455,17 +551,20 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         if feedback_log is None:
             raise APIError(404, "This server does not collect feedback: start serve.py with --feedback-dir "
                                 "DIR to rate answers with POST /v1/feedback", code="feedback_disabled")
-        return await answer_feedback(feedback_log, await _parse(request, FeedbackRequest, max_body_bytes))
+        admit(request).settle(0)
+        return await answer_feedback(feedback_log, await parse(request, FeedbackRequest))
 
     @v1.post("/tokenize")
     async def tokenize(request: Request):
         # vLLM's: a prompt (special tokens added unless told not to) or chat messages (rendered by the
         # chat template, which writes its own special tokens).
-        body = await _parse(request, TokenizeRequest, max_body_bytes)
+        reservation = admit(request)
+        body = await parse(request, TokenizeRequest)
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either prompt or messages", "prompt")
         if body.prompt is not None:
+            check_text(body.prompt, "prompt")
             special = body.add_special_tokens is not False
             ids = await asyncio.to_thread(encode, body.prompt, special)
         else:
@@ -474,15 +573,21 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
             prompt = await asyncio.to_thread(render, messages, body.tools, kwargs,
                                              body.add_generation_prompt is not False)
             ids = await asyncio.to_thread(encode, prompt, bool(body.add_special_tokens))
+        reservation.settle(len(ids))
         strings = [token_text(tokenizer, token) for token in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": strings}
 
     @v1.post("/detokenize")
     async def detokenize(request: Request):
-        body = await _parse(request, DetokenizeRequest, max_body_bytes)
+        reservation = admit(request)
+        body = await parse(request, DetokenizeRequest)
         check_model(body.model)
+        if len(body.tokens) > engine.max_context:
+            raise APIError(400, f"tokens: at most {engine.max_context} (this server's context), got "
+                                f"{len(body.tokens)}", "tokens", "context_length_exceeded")
         check_token_ids(body.tokens, "tokens")
-        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, skip_special_tokens=False)}
+        reservation.settle(len(body.tokens))
+        return {"prompt": await asyncio.to_thread(decode, body.tokens, False)}
 
     @v1.get("/tokenizer_info")
     async def tokenizer_info():
@@ -494,6 +599,17 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     app.include_router(v1)
     app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)
     return app
+
+
+def _text_chars(value) -> int:
+    """Characters of all the strings in a JSON value (depth bounded by _check_json)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(item) for item in value.values())
+    if isinstance(value, list):
+        return sum(_text_chars(item) for item in value)
+    return 0
 
 
 def _include_usage(body: SamplingRequest) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,9 @@ from glm5_jax.serve.tool_calls import CALL_END, CALL_START
 from glm5_jax.serve.types import Constraint, InvalidRequestError
 
 _META = frozenset("\\.^$|?*+()[]{}")
+# OpenAI's rule (letters, digits, "_", "-"; at most 64) plus "." and ":" (MCP-style names): no
+# markup can hide in a name, so a name can never close its call and open another.
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 TEXT = "(?:[^<]|<[^/<])*"  # any text without "</" (nor a "<" just before the closing tag)
 _TYPES = {
     "integer": "-?(?:0|[1-9][0-9]*)",
@@ -67,6 +71,9 @@ def plan_tools(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_call
                 and isinstance(function, Mapping) and isinstance(function.get("name"), str)):
             raise InvalidFieldError("tools", f"tools[{index}] must be {{'type': 'function', 'function': "
                                              "{'name': ..., 'parameters': {...}}}")
+        if not _FUNCTION_NAME.fullmatch(function["name"]):
+            raise InvalidFieldError("tools", f"tools[{index}].function.name must be 1 to 64 letters, digits, "
+                                             f"'_', '-', '.' or ':', got {function['name'][:80]!r}")
         names.append(function["name"])
     choice = tool_choice if tool_choice is not None else ("auto" if names else "none")
     if isinstance(choice, Mapping):

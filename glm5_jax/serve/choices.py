@@ -19,10 +19,10 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from glm5_jax.serve.accounting import AccountedGeneration
-from glm5_jax.serve.errors import APIError, error_body, internal_error_message
+from glm5_jax.serve.errors import APIError, error_body, internal_error_message, shutting_down_error
 from glm5_jax.serve.limits import Reservation
 from glm5_jax.serve.textstream import Piece
-from glm5_jax.serve.types import GenerationEvent
+from glm5_jax.serve.types import SHUTTING_DOWN, GenerationEvent
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,11 @@ class Choices:
             for generation in self.generations:
                 generation.close()
             self._reservation.settle(self.usage()["total_tokens"])
+
+    @property
+    def shut_down(self) -> bool:
+        """A drain ended some choice before it finished (serve.py got SIGTERM)."""
+        return any(g.finish_reason == "abort" and g.error == SHUTTING_DOWN for g in self.generations)
 
     def log_errors(self, request_id: str) -> None:
         # The engine logs the cause with its traceback; this ties it to the HTTP request.
@@ -148,6 +153,8 @@ async def respond(request: Request, stream: bool, include_usage: bool, choices: 
         if any(g.finish_reason == "error" for g in choices.generations):
             choices.log_errors(base["id"])
             raise APIError(500, internal_error_message(base["id"]), kind="server_error")
+        if choices.shut_down:  # queued, or still running when the grace period ended
+            raise shutting_down_error()
         # 499: nobody is listening any more (the engine requests were cancelled).
         return Response(status_code=499) if results is None else response(results)
 
@@ -180,6 +187,9 @@ async def respond(request: Request, stream: bool, include_usage: bool, choices: 
         if failed:
             error = error_body(internal_error_message(base["id"]), "server_error")
             yield f"data: {json.dumps({'error': error})}\n\n"
+        elif choices.shut_down:  # after each cut choice's finish_reason "abort" chunk
+            exc = shutting_down_error()
+            yield f"data: {json.dumps({'error': error_body(exc.message, exc.kind, code=exc.code)})}\n\n"
         elif include_usage:
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': choices.usage()})}\n\n"
         yield "data: [DONE]\n\n"

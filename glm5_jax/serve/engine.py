@@ -58,10 +58,12 @@ from glm5_jax.serve.scheduler import (
     decode_buckets,
 )
 from glm5_jax.serve.types import (
+    SHUTTING_DOWN,
     EngineUnavailableError,
     GenerationEvent,
     InvalidRequestError,
     SamplingParams,
+    ShuttingDownError,
 )
 
 logger = logging.getLogger(__name__)
@@ -205,6 +207,7 @@ class Engine:
         self._tasks: list[tuple[callable, threading.Event]] = []  # run on the engine thread (warm-up)
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
+        self.draining = False  # drain(): no new requests; the running ones go on
         self._ids = itertools.count()
         self._seed_source = np.random.default_rng(seed)
         self._compiles = 0
@@ -243,11 +246,24 @@ class Engine:
     def active_requests(self) -> int:
         return sum(slot is not None for slot in self.scheduler.slots)
 
+    @property
+    def max_waiting(self) -> int | None:
+        """Most requests waiting for a slot (None: unbounded)."""
+        return self.scheduler.max_waiting
+
+    @property
+    def idle(self) -> bool:
+        """No request runs or waits."""
+        with self._lock:
+            return not (self.scheduler.running or self.scheduler.waiting)
+
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queues a request. Raises InvalidRequestError (bad input), QueueFullError (the waiting
         queue is at max_waiting) or EngineUnavailableError (the engine has failed)."""
         if self.failure is not None:
             raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
+        if self.draining or self._stopping.is_set():
+            raise ShuttingDownError(SHUTTING_DOWN)
         params.validate()
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
@@ -268,6 +284,8 @@ class Engine:
                             payload=_Request(stream, seed, constrained=constrained, after_token=after_token,
                                              prompt_scores={} if scoring else None))
         with self._lock:
+            if self.draining:  # drain() ran since the check above
+                raise ShuttingDownError(SHUTTING_DOWN)
             self.scheduler.add(sequence)  # QueueFullError when full
         self.observer.on_queued(stream.request_id, len(prompt_ids))
         self._wakeup.set()
@@ -297,8 +315,20 @@ class Engine:
         if self.failure is not None:
             raise EngineUnavailableError(f"the engine failed during warm-up: {self.failure}")
 
+    def drain(self) -> None:
+        """The first step of a graceful shutdown: submit refuses new requests (ShuttingDownError)
+        and every request still waiting for a slot ends now with "abort" (error SHUTTING_DOWN);
+        running requests go on until shutdown()."""
+        with self._lock:
+            self.draining = True
+            for sequence in list(self.scheduler.waiting):
+                self._finish(sequence, GenerationEvent(None, finish_reason="abort", error=SHUTTING_DOWN))
+
     def shutdown(self) -> None:
-        """Stops the engine thread; unfinished requests end with "abort"."""
+        """Stops the engine thread; unfinished requests end with "abort" (error SHUTTING_DOWN).
+        Calling it again does nothing."""
+        if self._stopping.is_set():
+            return
         self._stopping.set()
         self._wakeup.set()
         self._thread.join(timeout=30)
@@ -358,8 +388,9 @@ class Engine:
             reason = "error"
         finally:
             with self._lock:
+                error = self.failure if reason == "error" else SHUTTING_DOWN
                 for sequence in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self._finish(sequence, GenerationEvent(None, finish_reason=reason, error=self.failure))
+                    self._finish(sequence, GenerationEvent(None, finish_reason=reason, error=error))
                 for _, done in self._tasks:
                     done.set()
 

@@ -19,7 +19,13 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from glm5_jax.serve.types import EngineUnavailableError, InvalidRequestError, QueueFullError, SamplingParams
+from glm5_jax.serve.types import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    QueueFullError,
+    SamplingParams,
+    ShuttingDownError,
+)
 
 logger = logging.getLogger(__name__)
 _PARAM_NAMES = frozenset(field.name for field in dataclasses.fields(SamplingParams)) | {"prompt", "messages"}
@@ -43,6 +49,12 @@ def error_response(status: int, message: str, param=None, code=None, kind="inval
                    headers=None) -> JSONResponse:
     return JSONResponse({"error": error_body(message, kind, param, code)}, status_code=status,
                         headers=headers)
+
+
+def shutting_down_error() -> APIError:
+    """503 for a request a drain refused or ended: the client should retry (on another replica)."""
+    return APIError(503, "The server is shutting down; retry the request", code="shutting_down",
+                    kind="server_error", headers={"Retry-After": "1"})
 
 
 def internal_error_message(request_id: str | None) -> str:
@@ -82,6 +94,11 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(503, f"The server is overloaded (its request queue is full); retry in "
                                    f"{seconds} s", code="queue_full", kind="server_error",
                               headers={"Retry-After": str(seconds)})
+
+    @app.exception_handler(ShuttingDownError)
+    async def _shutting_down(_, exc: ShuttingDownError):
+        error = shutting_down_error()
+        return error_response(error.status, error.message, None, error.code, error.kind, error.headers)
 
     @app.exception_handler(EngineUnavailableError)
     async def _unavailable(_, exc: EngineUnavailableError):

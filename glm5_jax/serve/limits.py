@@ -47,12 +47,27 @@ class _Entry:
 
 
 class Reservation:
-    """One admitted request's place in its key's window; settle() once with the real usage, or
-    cancel() when the request never ran (refused by the engine), which takes it out of the window."""
+    """One admitted request's place in its key's window; extend() once its prompt is tokenized,
+    settle() once with the real usage, or cancel() when the request never ran (refused by the
+    engine), which takes it out of the window."""
 
     def __init__(self, limiter: RateLimiter | None = None, window: collections.deque[_Entry] | None = None,
-                 entry: _Entry | None = None):
-        self._limiter, self._window, self._entry = limiter, window, entry
+                 entry: _Entry | None = None, key: str = ""):
+        self._limiter, self._window, self._entry, self._key = limiter, window, entry, key
+
+    def extend(self, tokens: int) -> None:
+        """Grows the reservation to `tokens` (a request is admitted before its prompt is tokenized,
+        so that the work of refused and oversized requests counts too); raises RateLimited when it
+        no longer fits the key's token limit (the request itself stays counted)."""
+        if self._entry is not None and self._limiter is not None:
+            self._limiter._extend(self._key, self._window, self._entry, int(tokens))
+
+    def charge(self, tokens: int) -> None:
+        """Counts the tokens the request has cost so far (its prompt, tokenized), limit or not: a
+        request refused after this keeps them in the window."""
+        if self._entry is not None and self._limiter is not None:
+            with self._limiter._lock:
+                self._entry.tokens = max(self._entry.tokens, int(tokens))
 
     def settle(self, tokens: int) -> None:
         if self._entry is not None and self._limiter is not None:
@@ -99,31 +114,53 @@ class RateLimiter:
         rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
         if rpm is None and tpm is None:
             return Reservation()
-        if tpm is not None and tokens > tpm:
-            raise RateLimited(f"This request needs up to {tokens} tokens (prompt + max_tokens), more than "
-                              f"this key's limit of {tpm} tokens per minute; lower max_tokens or shorten "
-                              "the prompt", "tokens", None)
-        listed = key in self._limits
-        who = "this API key" if listed else "all callers without a listed API key together"
+        _never_fits(tokens, tpm)
         with self._lock:
             now = self._clock()
-            window = self._windows.setdefault(key if listed else _SHARED, collections.deque())
-            while window and window[0].time <= now - WINDOW_SECONDS:
-                window.popleft()
+            window = self._window(key, now)
             if rpm is not None and len(window) >= rpm:
                 # The oldest request leaving the window frees one slot.
                 wait = window[len(window) - rpm].time + WINDOW_SECONDS - now
-                raise RateLimited(f"Rate limit reached: {rpm} requests per minute for {who}; "
+                raise RateLimited(f"Rate limit reached: {rpm} requests per minute for {self._who(key)}; "
                                   f"retry in {math.ceil(wait)} s", "requests", _seconds(wait))
-            used = sum(entry.tokens for entry in window)
-            if tpm is not None and used + tokens > tpm:
-                wait = _token_wait(window, used + tokens - tpm, now)
-                raise RateLimited(f"Rate limit reached: {tpm} tokens per minute for {who} "
-                                  f"({used} used in the last minute, this request needs up to {tokens}); "
-                                  f"retry in {math.ceil(wait)} s", "tokens", _seconds(wait))
+            self._check_tokens(key, window, sum(entry.tokens for entry in window), tokens, tpm, now)
             entry = _Entry(now, int(tokens))
             window.append(entry)
-            return Reservation(self, window, entry)
+            return Reservation(self, window, entry, key)
+
+    def _window(self, key: str, now: float) -> collections.deque[_Entry]:
+        """The key's window without the entries older than a minute (call with the lock held)."""
+        window = self._windows.setdefault(key if key in self._limits else _SHARED, collections.deque())
+        while window and window[0].time <= now - WINDOW_SECONDS:
+            window.popleft()
+        return window
+
+    def _who(self, key: str) -> str:
+        return "this API key" if key in self._limits else "all callers without a listed API key together"
+
+    def _check_tokens(self, key, window, used: int, tokens: int, tpm: int | None, now: float) -> None:
+        if tpm is not None and used + tokens > tpm:
+            wait = _token_wait(window, used + tokens - tpm, now)
+            raise RateLimited(f"Rate limit reached: {tpm} tokens per minute for {self._who(key)} "
+                              f"({used} used in the last minute, this request needs up to {tokens}); "
+                              f"retry in {math.ceil(wait)} s", "tokens", _seconds(wait))
+
+    def _extend(self, key: str, window: collections.deque[_Entry], entry: _Entry, tokens: int) -> None:
+        tpm = self.limits_for(key).tokens_per_minute
+        _never_fits(tokens, tpm)
+        with self._lock:
+            now = self._clock()
+            self._window(key, now)
+            used = sum(other.tokens for other in window if other is not entry)
+            self._check_tokens(key, window, used, tokens, tpm, now)
+            entry.tokens = tokens
+
+
+def _never_fits(tokens: int, tpm: int | None) -> None:
+    if tpm is not None and tokens > tpm:
+        raise RateLimited(f"This request needs up to {tokens} tokens (prompt + max_tokens), more than "
+                          f"this key's limit of {tpm} tokens per minute; lower max_tokens or shorten "
+                          "the prompt", "tokens", None)
 
 
 def _token_wait(window: collections.deque[_Entry], excess: int, now: float) -> float:

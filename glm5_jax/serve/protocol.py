@@ -2,6 +2,8 @@
 
 Clients send fields this server does not use (user, metadata, ...): they are ignored rather than
 rejected. None everywhere means "the default": some clients send explicit nulls for unset fields.
+Types are strict (pydantic strict mode): `max_tokens: true`, `stream: "yes"` or `n: 1.5` are
+refused with a 400 naming the field, never coerced; an integer is accepted where a number is.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 
 class SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None  # OpenAI requires it; when left out (curl users) the served model answers
     max_tokens: int | None = None
     temperature: float | None = None
@@ -44,7 +46,7 @@ class CompletionRequest(SamplingRequest):
 
 class ChatMessage(BaseModel):
     # Extra keys (tool_calls, tool_call_id, name, reasoning_content) are kept for the template.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -63,7 +65,7 @@ class ChatRequest(SamplingRequest):
 class TokenizeRequest(BaseModel):
     """vLLM's POST /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -75,6 +77,6 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     tokens: list[int]

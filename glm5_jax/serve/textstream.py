@@ -73,6 +73,7 @@ class Generation:
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        self.error: str | None = None  # the final event's (types.SHUTTING_DOWN: a drain ended it)
         # From the first event, when the request asked for them (SamplingParams.prompt_logprobs).
         self.prompt_logprobs: tuple | None = None
         self.hidden_event: GenerationEvent | None = None  # the EOS / stop token that ended it, unshown
@@ -100,7 +101,7 @@ class Generation:
                         self.stream.cancel()
                     finish = "stop"
                 if finish is not None:
-                    self.finish_reason = finish
+                    self.finish_reason, self.error = finish, event.error
                     yield Piece(self._text.take(final=True), pending, finish)
                     return
                 # A burst of tokens (several decode steps per device call) goes out as one piece.

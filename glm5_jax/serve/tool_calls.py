@@ -8,10 +8,10 @@ The GLM-5 chat template teaches the model this format (no whitespace between the
 String arguments are written raw, all others as JSON (the template's `tojson`), so an argument
 is parsed back as JSON unless the tool's JSON schema declares it a string (as vLLM's `glm47`
 parser does): "3" becomes 3 for an integer, "true" true for a boolean, "[1, 2]" a list. Markup
-that does not parse (an unclosed call, text between the argument tags, no function name) is
-left in the content as the model wrote it, never an error. Calls are parsed from the streamed
-text: each is held back until its `</tool_call>` and then given out whole, so a call that turns
-out malformed was never half sent.
+that does not parse (an unclosed call, text between the argument tags, no function name or one
+the request did not declare) is left in the content as the model wrote it, never an error. Calls
+are parsed from the streamed text: each is held back until its `</tool_call>` and then given out
+whole, so a call that turns out malformed was never half sent.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def typed_value(text: str, schema: Any) -> Any:
 def parse_call(body: str, schemas: Mapping[str, Mapping[str, Any]]) -> ToolCall | None:
     """The call whose markup between `<tool_call>` and `</tool_call>` is `body`, or None if malformed."""
     name = _NAME.match(body)
-    if name is None:
+    if name is None or name.group(1) not in schemas:  # never a call to a function not declared
         return None
     properties = schemas.get(name.group(1), {}).get("properties")
     properties = properties if isinstance(properties, Mapping) else {}

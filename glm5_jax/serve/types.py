@@ -26,6 +26,14 @@ class EngineUnavailableError(Exception):
     engine.failure) says why. The API answers 503; serve.py exits so that a supervisor restarts it."""
 
 
+SHUTTING_DOWN = "the server is shutting down"  # GenerationEvent.error of requests a drain ended
+
+
+class ShuttingDownError(EngineUnavailableError):
+    """Raised by engine.submit once the engine drains (serve.py got SIGTERM): the API answers 503
+    with Retry-After, so that the client retries on another replica."""
+
+
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex")
 
 
