@@ -65,7 +65,7 @@ from glm5_jax.parallel import sharding as sharding_lib
 from glm5_jax.parallel.mesh import MeshError, MeshSpec, initialize_distributed, make_mesh
 from glm5_jax.runs import RunNotFoundError
 from glm5_jax.train import init_from as init_from_lib
-from glm5_jax.train.checkpoints import RunCheckpoints
+from glm5_jax.train.checkpoints import CheckpointError, RunCheckpoints
 from glm5_jax.train.dpo import make_dpo_eval_step, make_reference_log_probs
 from glm5_jax.train.metrics import MetricsLog
 from glm5_jax.train.optimizer import learning_rate_schedule, make_optimizer, trained_names
@@ -213,7 +213,10 @@ def main(argv):
     # ---------------------------------------------------------------- model, optimizer, state
     optimizer = make_optimizer(settings)
     checkpoints = RunCheckpoints(workdir, settings.keep_checkpoints, settings.checkpoint_every)
-    resume_step = checkpoints.latest_step()
+    try:  # the newest intact step; newer damaged ones are named and moved aside to <step>.corrupt
+        resume_step = checkpoints.usable_step()
+    except CheckpointError as error:
+        raise SystemExit(f"error: {error}") from None
     make_state = lambda: init_train_state(  # noqa: E731
         init_params(model_config, settings.seed, options=options), optimizer)
     if resume_step is None and settings.init_from:  # fine-tuning: the weights, a fresh optimizer
@@ -241,9 +244,11 @@ def main(argv):
             abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
                                     train_state_shardings(model_config, optimizer, mesh, rules,
                                                           options=options))
-        state, data_state, _ = checkpoints.restore(resume_step, abstract)
         try:
+            state, data_state, _ = checkpoints.restore(resume_step, abstract)
             train_batches.set_state(data_state)
+        except CheckpointError as error:  # e.g. the model config changed since the checkpoint
+            raise SystemExit(f"error: {error}") from None
         except ValueError as error:  # e.g. data.schedule added or removed since the checkpoint
             raise SystemExit(f"error: cannot resume the data at step {resume_step}: {error}") from None
     counts = count_params(model_config)

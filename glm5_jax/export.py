@@ -12,7 +12,7 @@ from pathlib import Path
 from absl import logging
 
 from glm5_jax.checkpoint import save_pretrained
-from glm5_jax.runs import load_run
+from glm5_jax.runs import RunNotFoundError, load_run
 
 
 def export_run(workdir: str, output: str, max_shard_size: str = "5GB") -> Path:
@@ -31,7 +31,11 @@ def main(argv=None):
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 2GB")
     args = parser.parse_args(argv)
     logging.set_verbosity(logging.ERROR)  # orbax narrates read-only checkpoint access
-    print(f"exported to {export_run(args.workdir, args.output, args.max_shard_size)}")
+    try:  # the run's newest usable checkpoint (damaged newer steps named and skipped)
+        output = export_run(args.workdir, args.output, args.max_shard_size)
+    except RunNotFoundError as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"exported to {output}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from absl import logging
 from glm5_jax.config_files import add_execution_flags, execution_from_flags
 from glm5_jax.model import ModelConfig
 from glm5_jax.model.options import ExecutionOptions
-from glm5_jax.runs import checkpoint_options, load_any
+from glm5_jax.runs import RunNotFoundError, checkpoint_options, load_any
 from glm5_jax.serve.engine import Engine, run_sync
 from glm5_jax.serve.types import SamplingParams
 
@@ -64,8 +64,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.set_verbosity(logging.ERROR)  # orbax narrates read-only checkpoint access
 
-    config, params, tokenizer = load_any(args.checkpoint, quantize=args.quantize)
-    options = execution_from_flags(args, checkpoint_options(args.checkpoint))
+    try:  # a run's newest usable checkpoint (damaged newer steps named and skipped)
+        config, params, tokenizer = load_any(args.checkpoint, quantize=args.quantize)
+        options = execution_from_flags(args, checkpoint_options(args.checkpoint))
+    except RunNotFoundError as error:
+        raise SystemExit(f"error: {error}") from None
     if tokenizer is None:
         raise SystemExit(f"error: {args.checkpoint} has no tokenizer.json")
     prompt_ids = tokenizer.encode(args.prompt).ids

@@ -12,14 +12,14 @@ from glm5_jax.checkpoint import load_pretrained, read_config, read_options
 from glm5_jax.model import ModelConfig, init_params
 from glm5_jax.model.options import ExecutionOptions, options_from_run_config, split_saved_model_section
 from glm5_jax.quant import load_recipe, quantize_params
-from glm5_jax.train.checkpoints import CHECKPOINT_DIR, RunCheckpoints
+from glm5_jax.train.checkpoints import CHECKPOINT_DIR, CheckpointError, RunCheckpoints
 from glm5_jax.train.optimizer import make_optimizer
 from glm5_jax.train.settings import TrainSettings
 from glm5_jax.train.step import init_train_state
 
 
 class RunNotFoundError(FileNotFoundError):
-    """The directory is neither a train.py run with a checkpoint nor an HF checkpoint."""
+    """The directory is neither a train.py run with a usable checkpoint nor an HF checkpoint."""
 
 
 def is_run_directory(path: str | os.PathLike) -> bool:
@@ -34,22 +34,35 @@ def run_configs(run_config) -> tuple[ModelConfig, ExecutionOptions]:
 
 
 def _run_step(workdir, checkpoints: RunCheckpoints, step: int | None) -> int:
-    step = checkpoints.latest_step() if step is None else step
+    """The newest usable step (damaged newer ones skipped, one line each), or `step` if intact.
+    Every reader of a run comes through here; RunNotFoundError (one line) when none can be read."""
+    try:
+        if step is not None:
+            checkpoints.check(step)
+            return step
+        step = checkpoints.usable_step()
+    except CheckpointError as error:
+        raise RunNotFoundError(str(error)) from None
     if step is None:
         raise RunNotFoundError(f"{workdir} has no complete checkpoint yet")
     return step
 
 
 def load_run(workdir: str | os.PathLike, step: int | None = None):
-    """The params of a train.py run's latest (or given) checkpoint -> (ModelConfig, params)."""
+    """The params of a train.py run's newest usable (or given) checkpoint -> (ModelConfig, params)."""
     checkpoints = RunCheckpoints(workdir, read_only=True)
-    step = _run_step(workdir, checkpoints, step)
-    run_config = checkpoints.restore_config(step)
-    config, options = run_configs(run_config)
-    optimizer = make_optimizer(TrainSettings.from_config(run_config))
-    abstract = jax.eval_shape(lambda: init_train_state(init_params(config, 0, options=options), optimizer))
-    state, _, _ = checkpoints.restore(step, abstract)
-    checkpoints.close()
+    try:
+        step = _run_step(workdir, checkpoints, step)
+        run_config = checkpoints.restore_config(step)
+        config, options = run_configs(run_config)
+        optimizer = make_optimizer(TrainSettings.from_config(run_config))
+        abstract = jax.eval_shape(
+            lambda: init_train_state(init_params(config, 0, options=options), optimizer))
+        state, _, _ = checkpoints.restore(step, abstract)
+    except CheckpointError as error:  # intact files orbax still cannot read
+        raise RunNotFoundError(str(error)) from None
+    finally:
+        checkpoints.close()
     return config, state.params
 
 
@@ -61,6 +74,8 @@ def _saved_configs(path: str | os.PathLike) -> tuple[ModelConfig, ExecutionOptio
         checkpoints = RunCheckpoints(path, read_only=True)
         try:
             return run_configs(checkpoints.restore_config(_run_step(path, checkpoints, None)))
+        except CheckpointError as error:
+            raise RunNotFoundError(str(error)) from None
         finally:
             checkpoints.close()
     if (path / "config.json").exists():

@@ -2,6 +2,7 @@
 guard's stop, bad-input errors; then generate and export from the run."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -20,8 +21,9 @@ from glm5_jax.checkpoint.hf_io import read_config
 from glm5_jax.data import SourceSpec, load_tokenizer, make_validation_batches
 from glm5_jax.data.templated import stdlib_conversations, wrong_answer_pairs
 from glm5_jax.model import ModelConfig
-from glm5_jax.runs import load_run
+from glm5_jax.runs import RunNotFoundError, load_run
 from glm5_jax.serve.chat import ChatRenderer
+from glm5_jax.train.checkpoints import step_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -239,3 +241,54 @@ def test_fine_tuning_on_chat_data_from_an_hf_checkpoint_resumes(uninterrupted, e
     assert [r["step"] for r in evaluations] == [0, 2] and evaluations[0]["val_reward_margin"] == 0.0
     assert all("reward_margin" in r and "reward_accuracy" in r for r in records if "loss" in r)
     assert evaluations[1]["val_dpo_loss"] != evaluations[0]["val_dpo_loss"]
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(directory)): path.read_bytes()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.xdist_group("train_cli_run")
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_step(tmp_path, data_glob, uninterrupted,
+                                                                     capsys):
+    """A truncated array file in the newest step (12): with step 8 damaged too, train.py stops with
+    one line naming both files; with 8 intact, readers (glm5_jax.runs: generate, serve, export,
+    init_from) and the resumed run use step 8, naming step 12, the file and why; the run moves 12
+    aside untouched, saves 12 again, and its losses equal the uninterrupted run's."""
+    workdir = tmp_path / "run"
+    shutil.copytree(uninterrupted, workdir)
+    checkpoints = workdir / "checkpoints"
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["12", "8"]
+    shard = max((checkpoints / "12" / "state").rglob("d/*"), key=lambda path: path.stat().st_size)
+    os.truncate(shard, 100)
+    damaged = snapshot(checkpoints / "12")
+    truncated = f"{shard.relative_to(checkpoints)} is truncated (100 bytes"
+    # 1. No usable step: one error line naming each file, exit 1, nothing moved.
+    metadata = checkpoints / "8" / "config" / "metadata"
+    intact_metadata = metadata.read_bytes()
+    metadata.write_bytes(b"")
+    result = run_train(workdir, data_glob)
+    assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert error.startswith(f"error: no usable checkpoint in {checkpoints}: ")
+    assert truncated in error and "8/config/metadata is empty (0 bytes)" in error
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["12", "8"]
+    # 2. Readers fall back to step 8 and leave the run as it is.
+    metadata.write_bytes(intact_metadata)
+    _, params = load_run(workdir)
+    assert f"checkpoint step 12 skipped: {truncated}" in capsys.readouterr().err
+    jax.tree.map(np.testing.assert_array_equal, params, load_run(workdir, step=8)[1])
+    with pytest.raises(RunNotFoundError, match="checkpoint step 12 .* is damaged"):
+        load_run(workdir, step=12)
+    assert snapshot(checkpoints / "12") == damaged
+    # 3. The resumed run: from step 8, with 12 moved aside; 12 saved again; the same losses.
+    result = run_train(workdir, data_glob)
+    assert result.returncode == 0, result.stdout + result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("checkpoint step")]
+    assert line.startswith(f"checkpoint step 12 skipped: {truncated}")
+    assert line.endswith(f"; moved aside to {checkpoints / '12.corrupt'}; using step 8")
+    assert "resuming at step 8" in result.stdout
+    assert losses(workdir) == losses(uninterrupted)
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["12", "12.corrupt", "8"]
+    assert snapshot(checkpoints / "12.corrupt") == damaged
+    assert step_problem(checkpoints / "12") is None
