@@ -14,6 +14,7 @@ scores.png (with matplotlib) to --output; --compare writes compare.md, compare.h
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import os
@@ -27,6 +28,7 @@ from glm5_jax.config_files import add_execution_flags, execution_from_flags
 from glm5_jax.evaluate import report
 from glm5_jax.evaluate.backend import ServerError
 from glm5_jax.evaluate.formats import TaskDataError
+from glm5_jax.evaluate.isolation import SandboxUnavailableError
 from glm5_jax.evaluate.suites import Suite, load_suite
 from glm5_jax.model.config import ConfigError
 from glm5_jax.quant.formats import QuantizationError
@@ -77,6 +79,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     run.add_argument("--label", help="this run's name in reports and comparisons (default: from the model)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument(
+        "--allow-unsandboxed",
+        action="store_true",
+        help="run code tasks even where the bubblewrap sandbox cannot work (no user namespaces): "
+        "model-written programs then run with this process's uid and files, under resource limits "
+        "only (suite field sandbox.allow_unsandboxed)",
+    )
     run.add_argument(
         "--compilation-cache",
         metavar="DIR",
@@ -159,6 +168,11 @@ def evaluate(args: argparse.Namespace) -> dict:
     from glm5_jax.evaluate.tasks import prepare, run_suite
 
     suite = load_suite(args.suite).limited(args.limit)
+    if args.allow_unsandboxed:
+        limits = dataclasses.replace(suite.sandbox, allow_unsandboxed=True)
+        suite = dataclasses.replace(suite, sandbox=limits)
+    if any(t.kind == "code" for t in suite.tasks):
+        sandbox.require_isolation(suite.sandbox)  # before any data or model is loaded
     label = default_label(args)
     started, start = datetime.datetime.now(datetime.UTC), time.perf_counter()
     output = Path(args.output or f"eval_results/{label}-{suite.name}-{started:%Y%m%dT%H%M%S}")
@@ -209,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         QuantizationError,
         CheckpointError,
         ServerError,
+        SandboxUnavailableError,
         FileNotFoundError,
     ) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -36,7 +36,7 @@ from glm5_jax.evaluate.formats import (
     read_items,
     read_text,
 )
-from glm5_jax.evaluate.sandbox import run_program
+from glm5_jax.evaluate.sandbox import require_isolation, run_program
 from glm5_jax.evaluate.scoring import (
     Metric,
     bootstrap,
@@ -207,6 +207,7 @@ def run_code(
     spec: TaskSpec, items: list[CodeProblem], backend: Backend, suite: Suite, progress: bool
 ) -> TaskResult:
     options, samples_per = spec.options, spec.options["samples"]
+    require_isolation(suite.sandbox)  # refuse before generating, not after
     requests = [
         GenerationRequest(
             prompt=p.prompt,
@@ -221,6 +222,8 @@ def run_code(
     ]
     with progress_bar(progress, len(requests), f"{spec.name} (generate)", "sample") as bar:
         completions = backend.generate(requests, bar)
+    # check(...) stays the last statement: the sandbox scores passed only a program whose last
+    # statement returned (its end-of-run token), so exiting early with status 0 fails.
     programs = [
         p.prompt + c.text + "\n\n" + p.test + f"\n\ncheck({p.entry_point})\n"
         for p, c in zip((p for p in items for _ in range(samples_per)), completions, strict=True)
@@ -248,7 +251,7 @@ def run_code(
             "completion": c.text,
             "finish_reason": c.finish_reason,
             "status": o.status,
-            "error": (o.stderr.strip().splitlines() or [""])[-1][:300],
+            "error": (o.stderr.strip().splitlines() or [o.reason])[-1][:300],
         }
         for (p, j), c, o in zip(
             ((p, j) for p in items for j in range(samples_per)), completions, outcomes, strict=True
