@@ -213,10 +213,10 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     names = dict.fromkeys((model_id, *config.model_aliases))  # ordered, no duplicates
     # Longer text can never fit the context (no token is longer); shorter text is tokenized to see.
     max_prompt_chars = engine.max_context * max(map(len, tokenizer.get_vocab()), default=1)
-    # Most engine requests one API request may make: more could never all be queued (a 400).
+    # Most engine requests one API request may make: all are queued at once, so more than the
+    # queue holds could never be taken (a 400, not a 503 to retry for ever).
     max_waiting = getattr(engine, "max_waiting", None)  # None: unbounded
-    capacity = MAX_GENERATIONS if max_waiting is None else min(MAX_GENERATIONS,
-                                                               engine.max_slots + max_waiting)
+    capacity = MAX_GENERATIONS if max_waiting is None else min(MAX_GENERATIONS, max_waiting)
 
     async def parse(request: Request, model: type[BaseModel]):
         return await _parse(request, model, max_body_bytes, body_timeout_s)
@@ -272,8 +272,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         max_param: the name the client used for max_tokens (chat also takes max_completion_tokens).
         prompt_logprobs: set when scoring the prompt, which allows max_tokens 0."""
         if body.n is not None and not 1 <= body.n <= min(MAX_CHOICES, capacity):
-            raise APIError(400, f"n must be between 1 and {min(MAX_CHOICES, capacity)} (this server runs "
-                                f"{engine.max_slots} requests and queues {max_waiting}), got {body.n}", "n")
+            raise APIError(400, f"n must be between 1 and {min(MAX_CHOICES, capacity)} (this server queues "
+                                f"at most {capacity} requests at once), got {body.n}", "n")
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
         least = 0 if prompt_logprobs is not None else 1
@@ -351,11 +351,12 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
             raise
         return Choices(generations, n, reservation)
 
-    def render(messages, tools, kwargs, add_generation_prompt=True) -> str:
+    def render(messages, tools, kwargs, add_generation_prompt=True, truncating=False) -> str:
         if reserved := sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs)):
             raise APIError(400, f"chat_template_kwargs must not set {', '.join(reserved)}: send them as the "
                                 "request's own fields", "chat_template_kwargs")
-        check_text(sum(map(_text_chars, messages)), "messages")
+        if not truncating:
+            check_text(sum(map(_text_chars, messages)), "messages")
         try:
             return renderer.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                    **kwargs)
@@ -416,11 +417,12 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
                                                                body.response_format, None))
         prompts = _prompt_list(body.prompt)
         if len(prompts) * (body.n or 1) > capacity:
-            raise APIError(400, f"prompt: at most {capacity} prompts x n per request (this server runs "
-                                f"{engine.max_slots} requests and queues {max_waiting})", "prompt")
+            raise APIError(400, f"prompt: at most {capacity} prompts x n per request (this server queues "
+                                f"at most {capacity} requests at once)", "prompt")
         for prompt in prompts:
             if isinstance(prompt, str):
-                check_text(prompt, "prompt")
+                if body.truncate_prompt_tokens is None:  # else only its tail is kept: tokenize to see
+                    check_text(prompt, "prompt")
             else:
                 check_token_ids(prompt, "prompt")
         ids = []
@@ -495,7 +497,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         messages = [message.model_dump(exclude_none=True) for message in body.messages]
 
         def prompt_ids():
-            prompt = render(messages, plan.tools, body.chat_template_kwargs or {})
+            prompt = render(messages, plan.tools, body.chat_template_kwargs or {},
+                            truncating=body.truncate_prompt_tokens is not None)
             # The template already wrote the special tokens ([gMASK]<sop>, ...): add none of our own.
             return prompt, encode(prompt, add_special_tokens=False)
 
