@@ -19,6 +19,7 @@ from glm5_jax.serve.chat_constraints import (
     plan_tools,
     response_format_constraint,
     tool_call_regex,
+    value_regex,
 )
 from glm5_jax.serve.chat_output import ChatOutput, message
 from glm5_jax.serve.reasoning import ReasoningParser, starts_in_reasoning
@@ -224,3 +225,24 @@ def test_response_format_constraints():
                 {"type": "yaml"}):
         with pytest.raises(InvalidFieldError):
             response_format_constraint(bad, None)
+
+
+def test_forced_call_values_are_bounded_and_a_cut_call_is_no_content():
+    """Forced tool calls end on a weak model: strings within maxLength, numbers of bounded digits;
+    an output cut off mid-call (finish_reason "length") shows no raw markup as content."""
+    bounded = value_regex({"type": "string", "minLength": 2, "maxLength": 5})
+    assert re.fullmatch(bounded, "Oslo") and re.fullmatch(bounded, "a<b")
+    assert not re.fullmatch(bounded, "Oslo, Norway") and not re.fullmatch(bounded, "x")
+    assert re.fullmatch(value_regex({"type": "string"}), "any length " * 50)
+    integer, number = value_regex({"type": "integer"}), value_regex({"type": "number"})
+    assert re.fullmatch(integer, "-" + "9" * 19) and not re.fullmatch(integer, "1" * 20)
+    assert re.fullmatch(number, "3.25e-10") and not re.fullmatch(number, "1." + "0" * 18)
+    with pytest.raises(InvalidFieldError):
+        value_regex({"type": "string", "minLength": 3, "maxLength": 2})
+
+    cut = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Osl"
+    for forced, content in ((True, ""), (False, cut)):
+        output = ChatOutput(None, ToolCallParser(TOOLS, forced=forced))
+        answer = message(output.feed(cut) + output.finish(), output.tool_calls)
+        assert (answer["content"], answer.get("tool_calls")) == (content, None)
+        assert output.finish_reason("length") == "length"

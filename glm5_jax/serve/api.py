@@ -510,7 +510,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         params = dataclasses.replace(params, constraint=constraint)
         choices = start(request, reservation, body, [prepared(body, ids, "messages")], params)
         outputs = [ChatOutput(ReasoningParser(thinking) if reasoning_parser == "glm45" else None,
-                              ToolCallParser(plan.tools, plan.max_calls) if plan.parse else None)
+                              ToolCallParser(plan.tools, plan.max_calls, bool(plan.forced))
+                              if plan.parse else None)
                    for _ in choices.generations]
         base = {"id": request_id, "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": model_id, "system_fingerprint": SYSTEM_FINGERPRINT}

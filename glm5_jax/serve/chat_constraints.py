@@ -10,10 +10,11 @@ With thinking on (the prompt opens a `<think>` block) every constraint starts af
 so the reasoning stays free.
 
 The regex keeps to what grammar engines (xgrammar, llguidance, outlines-core) accept: literals,
-classes, `(?:...)`, `?`, `*`, `+` and `|`, no look-arounds. Per function: its parameters in the
-schema's order, each at most once, the `required` ones always; values typed by the schema
-(integer, number, boolean, null, enum); string and other values are any text without `</` (so
-a value can never swallow its closing tag). A function without declared properties takes any
+classes, `(?:...)`, `?`, `*`, `+`, `{m,n}` and `|`, no look-arounds. Per function: its parameters
+in the schema's order, each at most once, the `required` ones always; values typed by the schema
+(integer and number with bounded digits, boolean, null, enum); strings within minLength /
+maxLength when the schema gives them, and string and other values are text without `</` (so a
+value can never swallow its closing tag). A function without declared properties takes any
 arguments.
 """
 
@@ -33,10 +34,13 @@ _META = frozenset("\\.^$|?*+()[]{}")
 # OpenAI's rule (letters, digits, "_", "-"; at most 64) plus "." and ":" (MCP-style names): no
 # markup can hide in a name, so a name can never close its call and open another.
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-TEXT = "(?:[^<]|<[^/<])*"  # any text without "</" (nor a "<" just before the closing tag)
+_TEXT_UNIT = "(?:[^<]|<[^/<])"  # a character, or "<" and the one after it: never "</"
+TEXT = _TEXT_UNIT + "*"  # any text without "</" (nor a "<" just before the closing tag)
+# Numbers as JSON writes them, bounded (an int64 has at most 19 digits, a double's exponent 3),
+# so that a weak model cannot write digits for ever inside a forced call.
 _TYPES = {
-    "integer": "-?(?:0|[1-9][0-9]*)",
-    "number": "-?(?:0|[1-9][0-9]*)(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?",
+    "integer": "-?(?:0|[1-9][0-9]{0,18})",
+    "number": "-?(?:0|[1-9][0-9]{0,18})(?:\\.[0-9]{1,17})?(?:[eE][+-]?[0-9]{1,3})?",
     "boolean": "(?:true|false)",
     "null": "null",
 }
@@ -112,9 +116,23 @@ def value_regex(schema: Any) -> str:
         return "(?:" + "|".join(_literal(v) for v in values) + ")"
     kinds = schema.get("type")
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
+    if kinds == ["string"]:
+        return _string_regex(schema.get("minLength"), schema.get("maxLength"))
     if not kinds or any(kind not in _TYPES for kind in kinds):
         return TEXT
     return "(?:" + "|".join(_TYPES[kind] for kind in kinds) + ")"
+
+
+def _string_regex(min_length: Any, max_length: Any) -> str:
+    """A raw string value within the schema's minLength / maxLength (a "<" and the character
+    after it count as one); any length when the schema gives no maximum."""
+    least = min_length if isinstance(min_length, int) and not isinstance(min_length, bool) else 0
+    most = max_length if isinstance(max_length, int) and not isinstance(max_length, bool) else None
+    if most is None:
+        return TEXT if least <= 0 else f"{_TEXT_UNIT}{{{least},}}"
+    if most < max(least, 0):
+        raise InvalidFieldError("tools", f"a string parameter has maxLength {most} < minLength {least}")
+    return f"{_TEXT_UNIT}{{{max(least, 0)},{most}}}"
 
 
 def call_regex(name: str, parameters: Any) -> str:

@@ -102,12 +102,15 @@ class ToolCallParser:
 
     tools: the request's `tools` (their schemas type the arguments). max_calls: None for any
     number; 1 when the request set `parallel_tool_calls: false` (later calls are dropped).
+    forced: tool_choice forced a call, so the output is only calls.
     `feed` and `finish` return a list of items, each a str (content) or a ToolCall, in order.
     """
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] | None, max_calls: int | None = None):
+    def __init__(self, tools: Sequence[Mapping[str, Any]] | None, max_calls: int | None = None,
+                 forced: bool = False):
         self._schemas = function_schemas(tools)
         self._max_calls = max_calls
+        self._forced = forced  # the output is nothing but calls: an unclosed one is dropped
         self.calls: list[ToolCall] = []
         self._inside = False
         self._held = ""
@@ -144,8 +147,9 @@ class ToolCallParser:
         return [call]
 
     def finish(self) -> list[str | ToolCall]:
-        """The held tail: an unclosed call is content as written."""
+        """The held tail: an unclosed call is content as written, or nothing when calls were
+        forced (the output was cut off mid-call: its finish_reason says "length")."""
         held, self._held = self._held, ""
         if self._inside:
-            self._inside, held = False, CALL_START + held
+            self._inside, held = False, "" if self._forced else CALL_START + held
         return [held] if held else []
