@@ -140,27 +140,31 @@ def bubblewrap_start(command: Sequence[str], workdir_bytes: int) -> subprocess.P
         arguments += ["--info-fd", str(info_write), "--userns-block-fd", str(block_read)]
         keep += [info_write, block_read]
     try:
-        process = subprocess.Popen(
-            [*arguments, *command],
-            env=ENVIRONMENT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=keep,
-            start_new_session=True,
-        )
-    finally:
-        for fd in keep:
-            os.close(fd)
-    if as_root:
         try:
-            _write_id_maps(_read_info(info_read, process))
-            os.write(block_write, b"1")
-        except BaseException:
-            process.kill()
-            process.wait()
-            raise
+            process = subprocess.Popen(
+                [*arguments, *command],
+                env=ENVIRONMENT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=keep,
+                start_new_session=True,
+            )
         finally:
+            for fd in keep:  # the child's now: bwrap's exit must close the info pipe
+                os.close(fd)
+        if as_root:
+            try:
+                _write_id_maps(_read_info(info_read, process))
+                os.write(block_write, b"1")
+            except BaseException:
+                process.kill()
+                process.wait()
+                for stream in (process.stdin, process.stdout, process.stderr):
+                    stream.close()
+                raise
+    finally:
+        if as_root:
             os.close(info_read)
             os.close(block_write)
     return process
