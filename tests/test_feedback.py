@@ -1,5 +1,6 @@
 """The feedback loop: answers recorded by the server (fake engine, uvicorn in a thread), ratings through
-POST /v1/feedback, the log's crash safety, de-identification, and the export to SFT and pair lines."""
+POST /v1/feedback, the log's crash safety and any text it is given, and the export to SFT and pair
+lines (private files). De-identification itself: tests/test_deidentify.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from fake_engine import FakeEngine, make_tokenizer, running
 import serve
 from glm5_jax.data import feedback as export_cli
 from glm5_jax.data.chat import parse_conversation
-from glm5_jax.data.deidentify import KINDS, Deidentifier
 from glm5_jax.data.preference import parse_pair
 from glm5_jax.serve.api import create_app
 from glm5_jax.serve.feedback_log import FeedbackLog, JsonlAppender, ReadReport, read_records
@@ -136,7 +136,14 @@ def test_a_failing_log_never_breaks_an_answer(tmp_path, caplog):
         assert answer.json()["choices"][0]["message"]["content"] == "hello world"
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
         assert sum("could not write" in r.message for r in caplog.records) == 2
-        rated = client.post("/v1/feedback", json={"id": answer.json()["id"], "rating": 1})
+        # An answer whose record is not on disk cannot be rated: nothing could join the rating to it.
+        for response_id in (answer.json()["id"], chunks[0]["id"]):
+            rated = client.post("/v1/feedback", json={"id": response_id, "rating": 1})
+            assert rated.status_code == 404 and rated.json()["error"]["param"] == "id"
+        del log._appender.append  # the disk is back; a rating of a written answer that fails to write: 500
+        written = client.post("/v1/chat/completions", json={"messages": ASK}).json()
+        log._appender.append = broken
+        rated = client.post("/v1/feedback", json={"id": written["id"], "rating": 1})
         assert rated.status_code == 500 and rated.json()["error"]["type"] == "server_error"
 
 
@@ -214,36 +221,6 @@ def test_a_truncated_last_line_is_skipped_and_counted(tmp_path, monkeypatch):
     report = ReadReport()
     assert [r["id"] for r in read_records(tmp_path, report)][-1] == "chatcmpl-1"
     assert report.records == 4 and len(report.skipped) == 1 and "not valid JSON" in report.skipped[0]
-
-
-# ---------------------------------------------------------------- de-identification
-def test_deidentification_replaces_each_kind_and_counts_it():
-    secrets = {
-        "email": "write to jane.doe+work@mail.example.co.uk today",
-        "api_key": "use sk-proj-4f9Tq2LmZx8Rk1VbN7 for it",
-        "secret_token": "session 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08 ok",
-        "ipv6": "ssh to 2001:db8:85a3::8a2e:370:7334 now",
-        "ipv4": "ping 192.168.10.42.",
-        "phone": "call +1 (555) 123-4567 or 555-123-4567",
-    }
-    deidentifier = Deidentifier()
-    out = {kind: deidentifier.text(text) for kind, text in secrets.items()}
-    assert out == {
-        "email": "write to <EMAIL> today", "api_key": "use <API_KEY> for it",
-        "secret_token": "session <TOKEN> ok", "ipv6": "ssh to <IP_ADDRESS> now", "ipv4": "ping <IP_ADDRESS>.",
-        "phone": "call <PHONE> or <PHONE>"}
-    assert dict(deidentifier.counts) == {"email": 1, "api_key": 1, "secret_token": 1, "ipv6": 1, "ipv4": 1,
-                                         "phone": 2}
-    ordinary = ("Meet at 10:30 on 2024-01-15: Python 3.11 costs $1,500.00, x = 2 * 21, see "
-                "https://example.org/docs/page; std::vector<int>, list 10 20 30 40 50, fibonacci(10), "
-                "MyVeryLongClassNameForHTTP2Connections, compute_the_average_of_all_values_2024, "
-                "/usr/lib/python3/dist-packages/SomeModule2Name, 12:30:45 and 1234567890123.")
-    fresh = Deidentifier()
-    assert fresh.text(ordinary) == ordinary and sum(fresh.counts.values()) == 0
-    message = {"role": "user", "content": [{"type": "text", "text": "me@x.org"}], "tool_call_id": "call_1"}
-    assert fresh.value(message) == {"role": "user", "content": [{"type": "text", "text": "<EMAIL>"}],
-                                    "tool_call_id": "call_1"}
-    assert set(KINDS) == set(secrets)
 
 
 # ---------------------------------------------------------------- the export

@@ -24,9 +24,13 @@ Output lines (read by train.py's chat_jsonl and DPO sources):
            "rejected": {"role": "assistant", "content": str, ...}, "tools"?: [...]}
 
 /v1/completions interactions become `messages = [{"role": "user", "content": prompt}]` (token-id
-prompts are skipped); a "developer" message becomes a "system" one. The counts (records,
+prompts are skipped); a "developer" message becomes a "system" one. A lone UTF-16 surrogate in a
+record (the log keeps them, escaped) becomes U+FFFD, as a UTF-8 decoder does with a broken byte, so
+that every output line is valid UTF-8 (counted as `replaced_lone_surrogates`). The counts (records,
 ratings, kept, pairs, skipped by reason, de-identification replacements by kind) are printed and
-written to a stats JSON (default: next to the first output, `<name>.stats.json`).
+written to a stats JSON (default: next to the first output, `<name>.stats.json`). Every file written
+is private (mode 0600; a directory the export creates, 0700): the lines are de-identified only as
+well as a regex can (glm5_jax/data/deidentify.py).
 """
 
 from __future__ import annotations
@@ -36,14 +40,16 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import sys
+import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from glm5_jax.data.deidentify import Deidentifier
-from glm5_jax.serve.feedback_log import FILE_GLOB, ReadReport, log_files, read_records
+from glm5_jax.serve.feedback_log import FILE_GLOB, LONE_SURROGATE, ReadReport, log_files, read_records
 
 FINISHED = ("stop", "length", "tool_calls")
 DEFAULT_MIN_RATING = 0.5
@@ -77,6 +83,20 @@ class ExportResult:
 
 
 # ---------------------------------------------------------------- reading the log
+def _without_lone_surrogates(value: Any, counts: Counter) -> Any:
+    """`value` (a JSON value) with every lone surrogate in its strings and keys replaced by U+FFFD."""
+    if isinstance(value, str):
+        fixed, replaced = LONE_SURROGATE.subn("\ufffd", value)
+        counts["replaced_lone_surrogates"] += replaced
+        return fixed
+    if isinstance(value, list):
+        return [_without_lone_surrogates(item, counts) for item in value]
+    if isinstance(value, dict):
+        return {_without_lone_surrogates(key, counts): _without_lone_surrogates(item, counts)
+                for key, item in value.items()}
+    return value
+
+
 def _request_messages(record: dict, prompt_index: int) -> list[dict] | None:
     """The conversation an interaction's choice answers; None for a token-id prompt."""
     request = record.get("request") or {}
@@ -101,6 +121,7 @@ def load_samples(directory: Path, deidentifier: Deidentifier, counts: Counter) -
     report = ReadReport()
     interactions, feedback = [], {}
     for record in read_records(directory, report):
+        record = _without_lone_surrogates(record, counts)
         if record["type"] == "interaction":
             interactions.append(record)
         else:  # the last rating of a choice wins: by time, then by order in the log
@@ -214,11 +235,28 @@ def export(directory: str | Path, min_rating: float = DEFAULT_MIN_RATING,
 
 
 # ---------------------------------------------------------------- command line
+def _make_private_directory(directory: Path) -> None:
+    """Creates `directory` and its missing parents with mode 0700 (existing ones are left as they are)."""
+    missing = [parent for parent in (directory, *directory.parents) if not parent.exists()]
+    for parent in reversed(missing):
+        parent.mkdir(mode=0o700, exist_ok=True)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Writes `text` to `path` with mode 0600, whole or not at all (a temporary file renamed over it)."""
+    _make_private_directory(path.parent)
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # 0600
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
 def _write_jsonl(path: Path, lines: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as file:
-        for line in lines:
-            file.write(json.dumps(line, ensure_ascii=False) + "\n")
+    _write_private(path, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
 
 
 def _parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -260,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
              "min_confidence": arguments.min_confidence, "counts": dict(sorted(result.counts.items())),
              "deidentified": dict(replaced)}
     stats_path = Path(arguments.stats) if arguments.stats else outputs[0][0].with_suffix(".stats.json")
-    stats_path.write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+    _write_private(stats_path, json.dumps(stats, indent=2) + "\n")
     for path, lines in outputs:
         print(f"wrote {len(lines)} lines to {path}")
     print("counts: " + ", ".join(f"{key} {value}" for key, value in sorted(result.counts.items())))

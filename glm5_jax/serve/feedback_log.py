@@ -20,7 +20,11 @@ are none. Crash safety: each server process appends to a file of its own
 followed by fsync, so a crash loses at most the record being written, which then shows as a
 truncated last line that the reader skips and counts. Writes run on one background thread, in
 order, so that the log never delays an answer; a failed interaction write is logged, never sent
-to the client.
+to the client, and its id cannot be rated (an id becomes ratable once its record is on disk).
+
+Any text is written: lines are UTF-8 JSON, and a lone UTF-16 surrogate (a JSON "\\ud800" decodes to
+one, as can a `stop` string cut between the halves of a pair) is written as its \\uXXXX escape,
+which json.loads reads back into the same string (encode_line).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -46,6 +51,8 @@ from glm5_jax.serve.types import SamplingParams
 logger = logging.getLogger(__name__)
 FILE_GLOB = "feedback-*.jsonl"
 RECORD_TYPES = ("interaction", "feedback")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_SHOWN_ID = 64  # an unknown id is quoted in the 404 up to this many characters
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids")
 
@@ -66,6 +73,17 @@ class FeedbackRequest(BaseModel):
 
 
 # ---------------------------------------------------------------- writing and reading lines
+def encode_line(record: dict) -> bytes:
+    """`record` as one line of UTF-8 JSON, whatever its strings hold: a lone surrogate, which UTF-8
+    cannot encode, becomes its \\uXXXX escape (valid JSON that json.loads turns back into the same
+    string); everything else is written as itself, not escaped."""
+    line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+    try:
+        return line.encode("utf-8")
+    except UnicodeEncodeError:  # a surrogate can only stand inside a JSON string: escape it there
+        return LONE_SURROGATE.sub(lambda match: f"\\u{ord(match.group(0)):04x}", line).encode("utf-8")
+
+
 class JsonlAppender:
     """Appends JSON records to `path`, one line each; a record is on disk (fsync'd) when append() returns.
 
@@ -87,8 +105,7 @@ class JsonlAppender:
             os.close(directory)
 
     def append(self, record: dict) -> None:
-        line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
-        self._write(line.encode("utf-8"))
+        self._write(encode_line(record))
 
     def _write(self, data: bytes) -> None:
         with self._lock:
@@ -182,23 +199,36 @@ class FeedbackLog:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="feedback-log")
 
     def choices(self, response_id: str) -> int | None:
-        """How many choices the response `response_id` has; None when it is not in the log."""
+        """How many choices the response `response_id` has; None when its record is not on disk."""
         return self._choices.get(response_id)
 
+    async def written_choices(self, response_id: str) -> int | None:
+        """choices(), after the records queued so far are written: an answer rated the moment it was
+        sent is found once its record is on disk (and not found if that write failed)."""
+        count = self._choices.get(response_id)
+        if count is None:
+            try:
+                await asyncio.wrap_future(self._writer.submit(lambda: None))
+            except RuntimeError:  # the log is closed (the server is shutting down)
+                return None
+            count = self._choices.get(response_id)
+        return count
+
     def record_interaction(self, record: dict) -> None:
-        """Queues an interaction record; its id can be rated from now on. Never raises (a failure to
-        write is logged: the answer it records has been sent or is on its way)."""
-        self._choices[record["id"]] = len(record["choices"])
+        """Queues an interaction record; its id can be rated once it is written. Never raises (a
+        failure to write is logged: the answer it records has been sent or is on its way)."""
         try:
-            self._writer.submit(self._append_logged, record)
+            self._writer.submit(self._append_interaction, record)
         except RuntimeError:  # the log is closed (the server is shutting down)
             logger.error("feedback log closed: interaction %s not recorded", record["id"])
 
-    def _append_logged(self, record: dict) -> None:
+    def _append_interaction(self, record: dict) -> None:
         try:
             self._appender.append(record)
         except Exception:  # noqa: BLE001 - the server goes on; the record is lost, and said so
             logger.exception("feedback log: could not write the record of %s to %s", record["id"], self.path)
+        else:
+            self._choices[record["id"]] = len(record["choices"])
 
     async def record_feedback(self, body: FeedbackRequest) -> dict:
         """Writes a feedback record and returns it once it is on disk; raises OSError if it cannot be."""
@@ -219,10 +249,13 @@ class FeedbackLog:
 async def answer_feedback(log: FeedbackLog, body: FeedbackRequest) -> dict:
     """POST /v1/feedback: records `body` and returns the answer; APIError for an unknown id (404), an
     index past the response's choices (400) or a failed write (500)."""
-    count = log.choices(body.id)
+    count = await log.written_choices(body.id)
     if count is None:
-        raise APIError(404, f"id: no response {body.id!r} is in this server's feedback log (only answers "
-                            "given while feedback was collected can be rated)", "id", "response_not_found")
+        shown = repr(body.id[:MAX_SHOWN_ID])
+        if len(body.id) > MAX_SHOWN_ID:
+            shown += f"... ({len(body.id)} characters)"
+        raise APIError(404, f"id: no response {shown} is in this server's feedback log (only answers given "
+                            "while feedback was collected can be rated)", "id", "response_not_found")
     if body.index >= count:
         raise APIError(400, f"index must be below {count} (the choices of response {body.id}), got "
                             f"{body.index}", "index")
