@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 import threading
@@ -141,6 +142,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="chat answers: glm45 returns the <think> block as reasoning_content (and "
                              "reasoning) apart from content, as vLLM's --reasoning-parser glm45 does; none "
                              "leaves it in content (default: glm45)")
+    parser.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                        help="chat template variables every chat request starts from (its own "
+                             "chat_template_kwargs win), as vLLM's flag: e.g. '{\"enable_thinking\": true}'. "
+                             "Default: the checkpoint's template defaults (GLM-5: thinking on); for a "
+                             "train.py run, {\"enable_thinking\": false}: such a model has not learned to "
+                             "think (its chat fine-tuning answers after </think>), and with thinking on "
+                             "its whole answer would land in reasoning_content")
     parser.add_argument("--feedback-dir", default=None, metavar="DIR",
                         help="collect feedback: append every answer (request, response, confidence) to JSONL "
                              "files in DIR (created if missing) and accept ratings of response ids with POST "
@@ -167,6 +175,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag, value in (("--read-timeout", args.read_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
         if not value >= 0 or (flag == "--read-timeout" and value == 0):
             parser.error(f"{flag} must be {'> 0' if flag == '--read-timeout' else '>= 0'}, got {value}")
+    if args.default_chat_template_kwargs is not None:
+        try:
+            args.default_chat_template_kwargs = json.loads(args.default_chat_template_kwargs)
+        except ValueError as exc:
+            parser.error(f"--default-chat-template-kwargs is not JSON: {exc}")
+        if not isinstance(args.default_chat_template_kwargs, dict):
+            parser.error("--default-chat-template-kwargs must be a JSON object")
+        asked = set(args.default_chat_template_kwargs)
+        if reserved := sorted({"messages", "tools", "add_generation_prompt"} & asked):
+            parser.error(f"--default-chat-template-kwargs must not set {', '.join(reserved)}")
     if args.max_waiting is None:
         args.max_waiting = WAITING_PER_SLOT * args.max_slots
     return args
@@ -208,6 +226,14 @@ def resolve_checkpoint(checkpoint: str | None) -> Path:
         return DEFAULT_RUN
     sys.exit(f"error: no --checkpoint given and {DEFAULT_RUN} has no checkpoints; train the demo "
              "model first with `python train.py --config configs/demo.py`, or pass --checkpoint DIR")
+
+
+def default_template_kwargs(checkpoint: Path, asked: dict | None) -> dict:
+    """What chat requests start from: --default-chat-template-kwargs, else thinking off for a
+    train.py run (a directory with checkpoints/), else the template's own defaults."""
+    if asked is not None:
+        return asked
+    return {"enable_thinking": False} if (checkpoint / "checkpoints").is_dir() else {}
 
 
 def serve_until_failure(server, engine, poll_seconds: float = 0.5) -> str | None:
@@ -281,6 +307,7 @@ def main(argv=None) -> int:
         sys.exit(f"error: --speculative-tokens drafts with the model's MTP layer, and {checkpoint} has none "
                  "(num_nextn_predict_layers = 0); serve it without --speculative-tokens")
     model_id = args.model_id or server_config.model_id or checkpoint.resolve().name
+    template_defaults = default_template_kwargs(checkpoint, args.default_chat_template_kwargs)
     metrics = ServerMetrics()
     engine = Engine(config, params, tokenizer, max_slots=args.max_slots, max_context=args.max_context,
                     page_size=args.page_size, num_pages=args.num_pages, token_budget=args.token_budget,
@@ -292,7 +319,8 @@ def main(argv=None) -> int:
                      special_tokens=load_special_tokens(checkpoint), server_config=server_config,
                      metrics=metrics, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                      reasoning_parser=args.reasoning_parser, feedback_log=feedback_log,
-                     body_timeout_s=args.read_timeout)
+                     body_timeout_s=args.read_timeout,
+                     default_template_kwargs=template_defaults)
     print("compiling the engine step...", flush=True)
     warm_up(engine)
     aliases = f" (aliases: {', '.join(server_config.model_aliases)})" if server_config.model_aliases else ""
@@ -302,6 +330,9 @@ def main(argv=None) -> int:
           f"{options.dtype}, moe_impl {options.moe_impl}, scan_unroll {options.scan_unroll}, "
           f"decode attention {options.decode_attention_impl})",
           flush=True)
+    if template_defaults:
+        print(f"chat requests start from chat_template_kwargs {json.dumps(template_defaults)} "
+              "(--default-chat-template-kwargs)", flush=True)
     if feedback_log is not None:
         print(f"collecting feedback in {feedback_log.path} (POST /v1/feedback)", flush=True)
     raise_open_file_limit()  # each connection is a file

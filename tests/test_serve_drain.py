@@ -1,10 +1,14 @@
-"""serve.py under SIGTERM, as a real process with the real engine: queued requests get 503 (or, when
+"""serve.py as a real process with the real engine: the README's Python examples run against it as
+written and print what they show; under SIGTERM, queued requests get 503 (or, when
 streamed, an error event and [DONE]), running streams end with a finish_reason "abort" chunk, an
 error event and [DONE] once --shutdown-timeout is over, the feedback log is flushed and closed, and
 the process exits 0. Half-open connections (a partial request head) are closed at the read
 timeout while the server keeps answering."""
 
+import contextlib
+import io
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -61,10 +65,16 @@ def test_sigterm_drains_and_half_open_connections_are_closed(checkpoint, tmp_pat
     process = subprocess.Popen(
         [sys.executable, "serve.py", "--checkpoint", str(directory), "--port", str(port),
          "--max-slots", "4", "--max-context", "64", "--page-size", "8", "--token-budget", "16",
-         "--shutdown-timeout", "0", "--read-timeout", "1", "--feedback-dir", str(feedback)],
+         "--shutdown-timeout", "0", "--read-timeout", "1", "--feedback-dir", str(feedback),
+         "--default-chat-template-kwargs", '{"enable_thinking": false}'],  # a train.py run's default
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_until(lambda: _healthy(port, process), "serve.py to start", 300)
+        for example in _readme_examples(port, directory.name):
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(compile(example, "README.md", "exec"), {})
+            assert printed.getvalue().strip(), example  # thinking on printed an empty line
 
         # A partial request head is answered 408 and closed at the read timeout; others are served.
         half_open = socket.create_connection(("127.0.0.1", port))
@@ -81,49 +91,71 @@ def test_sigterm_drains_and_half_open_connections_are_closed(checkpoint, tmp_pat
         half_open.close()
         stalled_body.close()
 
-        # Four long streams fill the four slots; then a plain request and a stream wait in the queue.
-        running, running_started = [], threading.Event()
-        long = {"prompt": "def add(a, b):", "max_tokens": 60, "ignore_eos": True, "n": 4, "stream": True}
-        threads = [threading.Thread(target=_sse, args=(port, long, running, running_started))]
-        threads[0].start()
-        assert running_started.wait(60)
-        queued_stream, queued_started = [], threading.Event()
+        # One stream of 16 choices: four fill the four slots, twelve queue; a plain request with two
+        # choices queues behind them. SIGTERM with a shutdown timeout of 0 comes as soon as the first
+        # tokens are out: the running choices are cut (finish_reason "abort" after their text), the
+        # queued ones end at once ("abort", no text), then the stream's error event and [DONE]; the
+        # plain request gets 503.
+        long = {"prompt": "def add(a, b):", "max_tokens": 56, "ignore_eos": True}
+        streamed, first = [], threading.Event()
         plain = {}
-        threads.append(threading.Thread(target=_sse, args=(port, {"prompt": "x", "max_tokens": 4,
-                                                                  "stream": True}, queued_stream,
-                                                           queued_started)))
-        threads.append(threading.Thread(target=lambda: plain.update(response=httpx.post(
-            f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "y", "max_tokens": 4}, timeout=60))))
-        for thread in threads[1:]:
-            thread.start()
-        _wait_until(lambda: _metric(port, "glm5_waiting_requests") >= 2, "two queued requests")
-
+        threads = [
+            threading.Thread(target=_sse, args=(port, {**long, "n": 16, "stream": True}, streamed, first)),
+            threading.Thread(target=lambda: plain.update(response=httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions", json={**long, "n": 2}, timeout=60)))]
+        threads[0].start()
+        assert first.wait(60)
+        threads[1].start()
+        _wait_until(lambda: _metric(port, "glm5_waiting_requests") >= 13, "the plain request queued")
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=60)
         for thread in threads:
             thread.join(timeout=30)
         assert process.returncode == 0, output
 
-        assert plain["response"].status_code == 503
-        assert plain["response"].json()["error"]["code"] == "shutting_down"
-        assert plain["response"].headers["retry-after"] == "1"
-        for lines in (running, queued_stream):
-            assert lines[0] == 200 and lines[-1] == "data: [DONE]", lines[-3:]
-            assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
-        cut = [json.loads(line.removeprefix("data: ")) for line in running[1:-2]]
-        finishes = [choice["finish_reason"] for chunk in cut for choice in chunk["choices"]
-                    if choice["finish_reason"]]
-        assert sorted(finishes) == ["abort"] * 4  # every choice of the cut stream says so
-        assert any(choice["text"] for chunk in cut for choice in chunk["choices"])  # it had been running
+        response = plain["response"]
+        assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down"
+        assert response.headers["retry-after"] == "1"
+        assert streamed[0] == 200 and streamed[-1] == "data: [DONE]", streamed[-3:]
+        chunks = [json.loads(line.removeprefix("data: ")) for line in streamed[1:-1]]
+        assert chunks[-1]["error"]["code"] == "shutting_down"
+        text, finish = [""] * 16, [None] * 16
+        for choice in (choice for chunk in chunks[:-1] for choice in chunk["choices"]):
+            text[choice["index"]] += choice["text"]
+            finish[choice["index"]] = choice["finish_reason"] or finish[choice["index"]]
+        assert set(finish) <= {"abort", "length"} and None not in finish, finish
+        cut = [i for i in range(16) if finish[i] == "abort" and text[i]]
+        refused = [i for i in range(16) if finish[i] == "abort" and not text[i]]
+        assert cut and refused, (finish, text)
 
         # The feedback log was closed after the last record: one line per answer that was given.
         records = [json.loads(line) for path in feedback.glob("*.jsonl")
                    for line in path.read_text().splitlines()]
-        assert any(len(record.get("choices", ())) == 4 for record in records), output
+        assert any(len(record.get("choices", ())) == 16 for record in records), output
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _readme_examples(port: int, model_id: str) -> list[str]:
+    """The README's Python blocks that call a server, pointed at this one."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    examples = [block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+                .replace('model="demo"', f"model={model_id!r}") for block in blocks if "base_url=" in block]
+    assert examples, "the README has no OpenAI client example"
+    return examples
+
+
+def test_a_run_serves_with_thinking_off_unless_told(tmp_path):
+    import serve
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "hf").mkdir()
+    assert serve.default_template_kwargs(tmp_path / "run", None) == {"enable_thinking": False}
+    assert serve.default_template_kwargs(tmp_path / "hf", None) == {}
+    on = {"enable_thinking": True}
+    assert serve.default_template_kwargs(tmp_path / "run", on) == on
 
 
 def _healthy(port: int, process: subprocess.Popen) -> bool:

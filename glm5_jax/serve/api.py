@@ -171,7 +171,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
                special_tokens: Mapping[str, str] | None = None, server_config: ServerConfig | None = None,
                metrics: ServerMetrics | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                reasoning_parser: str = "glm45", feedback_log: FeedbackLog | None = None,
-               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, clock=time.monotonic) -> FastAPI:
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+               default_template_kwargs: Mapping[str, object] | None = None, clock=time.monotonic) -> FastAPI:
     """The API app for `engine` serving `model_id`.
 
     api_key: when set, /v1/* (and /tokenize, /detokenize) require `Authorization: Bearer <api_key>`
@@ -184,7 +185,9 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     splits the thinking block out of chat answers (reasoning_content), "none" leaves it in the
     content. feedback_log: when given, every finished answer is recorded in it and POST /v1/feedback
     rates answers (without one, /v1/feedback answers 404). body_timeout_s: a body not all received
-    by then gets 408. clock: the rate limiter's clock (seconds), for tests.
+    by then gets 408. default_template_kwargs: chat template variables every request starts from
+    (its own chat_template_kwargs win), e.g. {"enable_thinking": False}. clock: the rate limiter's
+    clock (seconds), for tests.
 
     Every endpoint that costs work (completions, chat, tokenize, detokenize, feedback) counts
     against the caller's requests-per-minute limit before its body is read, and its tokens once
@@ -366,6 +369,13 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
             raise APIError(400, f"messages: the chat template rejected the conversation: {exc}",
                            "messages") from exc
 
+    defaults = dict(default_template_kwargs or {})
+    if reserved := sorted(_RESERVED_TEMPLATE_KWARGS & set(defaults)):
+        raise ValueError(f"default_template_kwargs must not set {', '.join(reserved)}")
+
+    def template_kwargs(asked: Mapping | None) -> dict:
+        return {**defaults, **(asked or {})}
+
     def encode(text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL (encode does not): a long prompt does not stall other streams.
         return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids if text else []
@@ -497,7 +507,7 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         messages = [message.model_dump(exclude_none=True) for message in body.messages]
 
         def prompt_ids():
-            prompt = render(messages, plan.tools, body.chat_template_kwargs or {},
+            prompt = render(messages, plan.tools, template_kwargs(body.chat_template_kwargs),
                             truncating=body.truncate_prompt_tokens is not None)
             # The template already wrote the special tokens ([gMASK]<sop>, ...): add none of our own.
             return prompt, encode(prompt, add_special_tokens=False)
@@ -573,7 +583,7 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
             ids = await asyncio.to_thread(encode, body.prompt, special)
         else:
             messages = [message.model_dump(exclude_none=True) for message in body.messages]
-            kwargs = body.chat_template_kwargs or {}
+            kwargs = template_kwargs(body.chat_template_kwargs)
             prompt = await asyncio.to_thread(render, messages, body.tools, kwargs,
                                              body.add_generation_prompt is not False)
             ids = await asyncio.to_thread(encode, prompt, bool(body.add_special_tokens))
