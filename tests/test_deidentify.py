@@ -47,7 +47,8 @@ MORE = [  # (text, output): the other shapes of each kind
     ("token=abc123def456 passwd='Tr0ub4dor&3'", "token=<SECRET> passwd='<SECRET>'"),
     ("client_secret: 'Qm9vYmFyMTI' --password hunter2", "client_secret: '<SECRET>' --password <SECRET>"),
     ("x-api-key: BTewdSzQ; GITHUB_TOKEN=abcdefgh", "x-api-key: <SECRET>; GITHUB_TOKEN=<SECRET>"),
-    ("pin: password=123456", "pin: password=<SECRET>"),
+    ("PIN: 4821, password=123456, cvv 123", "PIN: <SECRET>, password=<SECRET>, cvv 123"),  # cvv: no ":"
+    ("my password is hunter2. The password is wrong.", "my password is <SECRET>. The password is wrong."),
     ("secret key wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY.", "secret key <API_KEY>."),
     ("AKIAIOSFODNN7EXAMPLE / ASIAY34FZKBOKMUTVV7A", "<API_KEY> / <API_KEY>"),
     ("ghp_" + "a1B2" * 9 + " github_pat_11ABCDEFG0123456789_" + "abcdefghijklmnopqrstuvwxyz0123456789" * 2,

@@ -19,7 +19,9 @@ Kinds, in the order they are applied (an earlier kind's placeholder is never mat
                        AKIA/ASIA..., SendGrid SG.x.y, JWTs (eyJ...); the credential after "Bearer "
                        or in an Authorization header, whatever its length               -> <API_KEY>
     secret_assignment  the value of password=, password: , secret:, api_key=, token=, client_secret,
-                       DB_PASSWORD=, "passwd": "..." and the like (the key name is kept)  -> <SECRET>
+                       DB_PASSWORD=, "passwd": "...", --password x, pin: 4821, "my password is
+                       hunter2" and the like (the key name is kept); not code (password=pw,
+                       token = next(tokens)) or a tokenizer's vocabulary (bos_token="<s>") -> <SECRET>
     aws_secret_key     40 characters of [A-Za-z0-9+/] with upper, lower and digits     -> <API_KEY>
     iban               an IBAN of a registered country with its length and mod-97 checksum -> <IBAN>
     credit_card        13-19 digits, plain or grouped by spaces or dashes, of a card network's
@@ -41,7 +43,7 @@ Kinds, in the order they are applied (an earlier kind's placeholder is never mat
 
 This is regex work, measured by bench/deidentify_recall.py (docs/feedback.md has the figures): it
 misses what it has no pattern for (names, street addresses, 7-digit local numbers, secrets shorter
-than 32 characters without a known prefix or a key name, "my password is ..." in prose) and
+than 32 characters without a known prefix or a key name, a password that is a plain word) and
 replaces some harmless strings (long hex digests with no hash word before them, version strings
 shaped like IPv4 addresses, 10-digit numbers shaped like North American phone numbers).
 """
@@ -95,7 +97,8 @@ CARD_NETWORKS = (
 # 10-digit numbers that are famous constants, not phones: 2**31 - 1, 2**31, 2**32 - 1, 2**32.
 NOT_PHONES = frozenset({"2147483647", "2147483648", "4294967295", "4294967296"})
 
-_SECRET_NAMES = (r"pass(?:word|wd|phrase)?|pwd|secret|token|api[_-]?key|apikey|access[_-]?key|secret[_-]?key"
+_SECRET_NAMES = (r"pass(?:word|wd|phrase|code)?|pwd|pin|cvv|cvc|secret|token|api[_-]?key|apikey"
+                 r"|access[_-]?key|secret[_-]?key"
                  r"|private[_-]?key|auth[_-]?key|signing[_-]?key|encryption[_-]?key|master[_-]?key"
                  r"|client[_-]?secret|credentials?")
 _OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
@@ -117,6 +120,7 @@ _KEY_SHAPES = (
     r"\beyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]*)?",  # JWT
 )
 _CREDENTIAL = r"(?P<value>[A-Za-z0-9._~+/-]+=*)"
+_BARE_VALUE = r"[^\s\"'`&,;)}\]]*[^\s\"'`&,;)}\].!?:]"  # up to a space or a delimiter; not a sentence's "."
 _SECRET_NAME = re.compile(rf"(?i:{_SECRET_NAMES})$")
 _SECRET_WORDS = frozenset({"pass", "passwd", "password", "pwd", "secret", "token", "key", "apikey",
                            "credential", "credentials"})
@@ -131,13 +135,17 @@ _FORMAT_FIELD = re.compile(r"%(?:\(\w+\))?[-#0 +]*\d*(?:\.\d+)?[a-zA-Z]|\{[^{}]*
 _CODE_VALUE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+|.*[(\[].*|-?\d{1,3}(?:\.\d+)?")  # 4+ digits: a PIN
 _LITERALS = frozenset({"none", "null", "nil", "true", "false", "undefined", "str", "bytes", "int", "bool",
                        "float", "any", "object", "optional", "required", "empty", "yes", "no"})
+# A word naming a hex string a digest, up to 16 characters before it: "commit ", "_git_hash: str = '".
 _HASH_WORDS = re.compile(r"(?i)(?:sha\d*|md5|hash|digest|checksum|commits?|blake2?\w?|crc\d*|fingerprint|etag"
-                         r"|rev(?:ision)?|object|tree|blob|parent|oid|integrity)\W{0,12}$")
+                         r"|rev(?:ision)?|object|tree|blob|parent|oid|integrity)[^\n]{0,16}$")
 _HEX_TOKEN = re.compile(rf"[0-9a-fA-F]{{{MIN_TOKEN_LENGTH},}}")
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _VERSION_BEFORE = re.compile(r"(?i)(?:version\w*|release|build|python|==|>=|<=|~=|sections?|chapter|§)"
                              r"[ :=\"'-]*$")
-_OPERAND_BEFORE = re.compile(r"(?:[=*+^/%]|[^\s<>][ \t]*[<>]=?)[ \t]*$")  # x = 3644798167, h * 3644798167
+# A bare 10-digit number is code or data, not a phone, as an operand (x = 3644798167, h * 3644798167),
+# a call's argument (f.seek(5368709120)) or one of a list of numbers ([3992670689, 2438360420]).
+_OPERAND_BEFORE = re.compile(r"(?:[=*+^/%]|[^\s<>][ \t]*[<>]=?|[\w\]]\(|\d[\d.]*,?)[ \t]*$")
+_NUMBER_AFTER = re.compile(r"\.?,?[ \t]*[-+]?\d")
 _PHONE_WORDS = re.compile(r"(?i)phone|tel\b|mobile|cell|fax|call|contact|number|whatsapp|sms|reach")
 
 
@@ -150,8 +158,9 @@ def looks_random(token: str) -> bool:
     hex with letters and digits, or a character class (lower, upper, digit, other) that changes at
     RANDOM_CLASS_CHANGES of its positions or more, without being made of words (wordy)."""
     body = token.rstrip("=")
-    if re.fullmatch(r"[0-9a-fA-F]+", body):
-        return any(c.isdigit() for c in body) and any(c.isalpha() for c in body)
+    if re.fullmatch(r"[0-9a-fA-F]+", body):  # random hex is ~38% letters: not a number (3.1415...d0)
+        letters = sum(c.isalpha() for c in body)
+        return 0.1 * len(body) <= letters <= 0.9 * len(body)
     classes = [_character_class(c) for c in body]
     changes = sum(a != b for a, b in zip(classes, classes[1:], strict=False))
     return changes >= RANDOM_CLASS_CHANGES * (len(body) - 1) and not wordy(body)
@@ -212,10 +221,13 @@ def _secret_value(match: re.Match) -> bool:
     if before and before[-1] not in "_.-" and not (before[-1].isalnum() and name.group(0)[0].isupper()
                                                    and not before[-1].isupper()):
         return False  # "bypass", "compass": the secret word must start a word of the key
+    prose = separator.strip() in ("is", "was")  # "my password is hunter2"
     if not separator.strip() and not key.startswith("--"):
         return False  # "token expires": only a command-line flag takes its value after a space
-    if word == "pass" and not before:
-        return False  # the Python statement; DB_PASS and userPass are keys
+    if word == "pass" and not before and "=" not in separator:
+        return False  # the Python statement, a dict's 'pass': ...; DB_PASS and userPass are keys
+    if prose and not (any(not c.isalpha() for c in value) or value[1:] != value[1:].lower()):
+        return False  # "the password is incorrect": a word, not a password
     if word == "token" and _words(before) and _words(before)[-1] not in _CREDENTIAL_WORDS:
         return False  # bos_token, image_token, next_token: vocabulary or code, not credentials
     quoted = value[:1] in "\"'"
@@ -224,7 +236,9 @@ def _secret_value(match: re.Match) -> bool:
             or content.lower() in _LITERALS or _words(content) == _words(key.lstrip("-"))):
         return False  # "", "(", "%s:%s", "{0}", "<your-key>", "$TOKEN", "****", None, apiKey = "apiKey"
     if re.fullmatch(r"[\d_.,]+", content):  # a number: a PIN after a password key, else a count or an id
-        return (word.startswith("pass") or word == "pwd") and sum(c.isdigit() for c in content) >= 4
+        digits = sum(c.isdigit() for c in content)
+        pin = digits >= 4 and word.startswith(("pass", "pwd", "pin"))
+        return pin or (word in ("cvv", "cvc") and digits >= 3)
     if word == "token" and not before and not (len(content) >= 8 and not re.search(r"\s", content) and (
             any(c.isdigit() for c in content) or content.lower() != content and content.upper() != content)):
         return False  # a bare `token` is a credential only when it looks like one
@@ -277,12 +291,13 @@ def _secret_token(match: re.Match) -> bool:
     found = match.group(0)
     if _UUID.fullmatch(found) or re.match(r"(?i)sha(?:256|384|512)-", found):
         return False  # a UUID, a subresource-integrity digest
+    in_url_path = re.search(r"https?://[^\s?#]*$", match.string[:match.start()])
     for segment in re.finditer(r"[^/-]+", found):  # a path's hex segment (.../blob/<sha>/...) alone
         if _HEX_TOKEN.fullmatch(segment.group(0)):
-            before = match.string[:match.start() + segment.start()]
-            in_url_path = re.search(r"https?://[^\s?#]*$", before)  # a gist, page or object id
-            named = _HASH_WORDS.search(before[-40:])  # sha256: ..., commit ...
-            return looks_random(segment.group(0)) and not named and not in_url_path
+            named = _HASH_WORDS.search(match.string[:match.start() + segment.start()][-40:])  # sha256: ...
+            return looks_random(segment.group(0)) and not named and not in_url_path  # gist, page ids
+    if in_url_path:  # a URL's path: a secret is one long random piece (a webhook's token), not the path
+        return any(len(piece) >= MIN_TOKEN_LENGTH and looks_random(piece) for piece in found.split("/"))
     return looks_random(found)
 
 
@@ -293,8 +308,10 @@ def _ipv6(match: re.Match) -> bool:
     except ValueError:
         return False
     groups = [group for group in found.split(":") if group]
-    # "Abc::Def" is C++ and a[1::2] a slice more often than an address (and ::1 identifies no one)
-    return any(c.isdigit() for c in found) and (len(groups) >= 3 or any(len(g) >= 3 for g in groups))
+    # "Abc::Def" is C++, a[1::2] a slice and "issues/3974::" reST more often than an address (and ::1
+    # identifies no one)
+    return any(c.isdigit() for c in found) and len(groups) >= 2 and (
+        len(groups) >= 3 or any(len(group) >= 3 for group in groups))
 
 
 def _ipv4(match: re.Match) -> bool:
@@ -310,15 +327,16 @@ def _phone(match: re.Match) -> bool:
     if found.isdigit():  # bare North American: no N11 area code or exchange, no famous constant
         local = digits[1:] if len(digits) == 11 else digits
         before = match.string[max(0, match.start() - 30):match.start()]
-        if _OPERAND_BEFORE.search(before) and not _PHONE_WORDS.search(before):
+        after = match.string[match.end():match.end() + 4]
+        if (_OPERAND_BEFORE.search(before) or _NUMBER_AFTER.match(after)) and not _PHONE_WORDS.search(before):
             return False
         return local not in NOT_PHONES and local[1:3] != "11" and local[4:6] != "11"
     if found.startswith("00"):  # international with 00 instead of +
         return 10 <= len(digits) <= 16
     if found.startswith("0"):  # national, with a trunk 0
         return 10 <= len(digits) <= 11
-    if found.startswith("+0") or re.fullmatch(r"\+\d+\.\d+", found):
-        return False  # no country code starts with 0; +35236450.6 is a signed number
+    if found.startswith("+0") or re.fullmatch(r"\+\d+\.\d+|\+\d{4}-\d\d-\d\d.*", found):
+        return False  # no country code starts with 0; +35236450.6 is a signed number, +1980-02-29 a date
     return 8 <= len(digits) <= 15
 
 
@@ -345,8 +363,9 @@ _RULES: tuple[tuple[str, re.Pattern, Callable[[re.Match], bool] | None], ...] = 
                     rf"(?P<scheme>(?i:bearer|basic|token|digest)[ \t]+)?{_CREDENTIAL}", _credential),
         ("api_key", rf"(?i:\bbearer)[ \t]+{_CREDENTIAL}", _credential),
         ("secret_assignment", rf"(?<![\w.-])(?P<key>(?:--)?[\w.-]*?(?i:{_SECRET_NAMES}))(?![\w-])[\"']?"
-                              r"(?P<separator>[ \t]*(?:=>|:=|=(?!=)|:)[ \t]*|[ \t]+)"
-                              rf"(?P<value>{_QUOTED}|[^\s\"'`&,;)}}\]]+)", _secret_value),
+                              r"(?P<separator>[ \t]*(?:=>|:=|=(?!=)|:)[ \t]*|[ \t]+(?:is|was)[ \t]+"
+                              r"|[ \t]+)"
+                              rf"(?P<value>{_QUOTED}|{_BARE_VALUE})", _secret_value),
         ("aws_secret_key", r"(?<![A-Za-z0-9+/=_-])[A-Za-z0-9+/]{40}(?![A-Za-z0-9+/=_-])", _aws_secret_key),
         ("iban", r"(?<![\w-])[A-Za-z]{2}\d{2}(?:[ -]?[A-Za-z0-9]{4}){2,7}(?:[ -]?[A-Za-z0-9]{1,3})?(?![\w-])",
          _iban),
@@ -362,7 +381,7 @@ _RULES: tuple[tuple[str, re.Pattern, Callable[[re.Match], bool] | None], ...] = 
             r"(?<![\w+])\+\d[\d ().-]{6,}\d(?!\w)",  # +CC ...
             r"(?<![\w(])\(\d{2,4}\)[ .-]?\d{3,4}[ .-]?\d{3,4}(?!\w)",  # (555) 123-4567
             r"(?<![\w.-])(?:1([ .-]))?\d{3}([ .-])\d{3}\2\d{4}(?!\w|[.-]\d)",  # 1-555-123-4567
-            r"(?<![\w.+/-])1?[2-9]\d\d[2-9]\d{6}(?!\w|\.\d)",  # bare North American
+            r"(?<![\w.+/-])1?[2-9]\d\d[2-9]\d{6}(?!\w|\.[\d,)\]])",  # bare North American
             # national, with a trunk 0 (not the tail of a grouped IBAN or of a list of numbers)
             r"(?<![\w.+-])(?<![0-9A-Z]{4} )(?<!\d[ -])0\d{1,4}(?:[ -]\d{2,8}){1,4}(?!\w|[.-]\d|[ -]\d)",
         )), _phone),
