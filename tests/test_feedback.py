@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 
 import httpx
 import pytest
@@ -142,6 +143,7 @@ def test_a_failing_log_never_breaks_an_answer(tmp_path, caplog):
             assert rated.status_code == 404 and rated.json()["error"]["param"] == "id"
         del log._appender.append  # the disk is back; a rating of a written answer that fails to write: 500
         written = client.post("/v1/chat/completions", json={"messages": ASK}).json()
+        log.flush()
         log._appender.append = broken
         rated = client.post("/v1/feedback", json={"id": written["id"], "rating": 1})
         assert rated.status_code == 500 and rated.json()["error"]["type"] == "server_error"
@@ -223,6 +225,76 @@ def test_a_truncated_last_line_is_skipped_and_counted(tmp_path, monkeypatch):
     assert report.records == 4 and len(report.skipped) == 1 and "not valid JSON" in report.skipped[0]
 
 
+# ---------------------------------------------------------------- any text
+LONE = "\ud800"  # what the JSON "\ud800" decodes to: a lone UTF-16 surrogate, which UTF-8 cannot encode
+
+
+def _raw_json(client, path: str, body: str):
+    """POST a JSON body as written (httpx's json= cannot encode a lone surrogate)."""
+    return client.post(path, content=body.encode(), headers={"Content-Type": "application/json"})
+
+
+def test_the_log_writes_any_text_and_reads_it_back(tmp_path, caplog):
+    log = FeedbackLog(tmp_path)
+    record = {"type": "interaction", "id": "chatcmpl-odd", "created": 1, "model": MODEL, "endpoint": "chat",
+              "request": {"messages": [{"role": "user", "content": f"a{LONE}b 日本"}],
+                          "sampling": {"stop": [LONE, "\udfff"]}},
+              "choices": [{"index": 0, "content": f"x{LONE}", "finish_reason": "stop"}]}
+    log.record_interaction(record)
+    log.record_interaction({"type": "interaction", "id": "chatcmpl-bad", "choices": [object()]})  # not JSON
+    with caplog.at_level(logging.ERROR, logger="glm5_jax.serve.feedback_log"):
+        log.flush()
+    assert log.choices("chatcmpl-odd") == 1
+    assert log.choices("chatcmpl-bad") is None and "could not write the record of chatcmpl-bad" in caplog.text
+    log.close()
+    raw = log.path.read_bytes()
+    assert "日本".encode() in raw and b"\\ud800" in raw and raw.decode("utf-8")  # UTF-8, surrogates escaped
+    assert records(tmp_path)["interaction"] == [record]  # and read back as it was
+    again = FeedbackLog(tmp_path)  # a later server over the same DIR knows the id
+    assert again.choices("chatcmpl-odd") == 1
+    again.close()
+
+
+def test_lone_surrogates_over_http_never_give_500_and_every_ratable_id_is_on_disk(tmp_path):
+    with serving(tmp_path / "log") as (engine, log, client):
+        answer = client.post("/v1/chat/completions", json={"messages": ASK}).json()
+        # The request layer may refuse a lone surrogate (400 naming the field); whatever it lets
+        # through is recorded, and an answer it gives can be rated.
+        rated = _raw_json(client, "/v1/feedback", f'{{"id": "{answer["id"]}", "rating": 1, '
+                                                  '"correction": "fixed \\ud800 text"}')
+        assert rated.status_code in (200, 400), rated.text
+        assert rated.status_code == 200 or rated.json()["error"]["param"] == "correction"
+        assert _raw_json(client, "/v1/feedback", '{"id": "\\udfff", "rating": 1}').status_code in (400, 404)
+        huge = client.post("/v1/feedback", json={"id": "x" * 100_000, "rating": 1})  # not echoed whole
+        assert huge.status_code == 404 and "(100000 characters)" in huge.text and len(huge.text) < 1000
+        ask = '{"messages": [{"role": "user", "content": "hello"}], "stop": ["\\ud800"]}'
+        stopped = _raw_json(client, "/v1/chat/completions", ask)
+        assert stopped.status_code in (200, 400), stopped.text
+        if stopped.status_code == 200:
+            again = client.post("/v1/feedback", json={"id": stopped.json()["id"], "rating": 1})
+            assert again.status_code == 200, again.text
+        log.flush()
+    logged = records(tmp_path / "log")
+    if rated.status_code == 200:
+        assert logged["feedback"][0]["correction"] == f"fixed {LONE} text"
+    if stopped.status_code == 200:
+        (record,) = [r for r in logged["interaction"] if r["id"] == stopped.json()["id"]]
+        assert record["request"]["sampling"]["stop"] == [LONE]
+
+
+def test_the_export_replaces_lone_surrogates(tmp_path):
+    writer = JsonlAppender(tmp_path / "feedback-20250101T000000Z-1.jsonl")
+    writer.append(_interaction("chatcmpl-a", [{"role": "user", "content": f"hi{LONE}"}], [("hello", -0.1)]))
+    writer.append(_feedback("chatcmpl-a", 1.0, 2, correction=f"fixed {LONE} text"))
+    writer.close()
+    sft = tmp_path / "out" / "sft.jsonl"  # training data must be valid UTF-8: U+FFFD, as a decoder does
+    stats = export_cli.main(["--input", str(tmp_path), "--sft", str(sft)])
+    (line,) = [json.loads(line) for line in sft.read_bytes().decode("utf-8").splitlines()]
+    assert line == {"messages": [{"role": "user", "content": "hi\ufffd"},
+                                 {"role": "assistant", "content": "fixed \ufffd text"}]}
+    assert stats["counts"]["replaced_lone_surrogates"] == 2
+
+
 # ---------------------------------------------------------------- the export
 def _interaction(response_id, messages, answers, endpoint="chat", tools=None):
     """A log record: answers are (content, confidence) per choice; messages: a prompt for completions."""
@@ -299,6 +371,26 @@ def test_export_grades_by_rating_and_confidence_and_writes_the_fixed_formats(tmp
     export_cli.main(["--input", str(log_dir), "--sft", str(sft_path), "--min-rating", "1"])
     kept = [json.loads(line)["messages"][-1]["content"] for line in sft_path.read_text().splitlines()]
     assert kept == ["Sure: <EMAIL>", "Maybe", "4", "    return x * 2"]
+
+
+def test_export_files_are_private(tmp_path):
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    writer = JsonlAppender(log_dir / "feedback-20250101T000000Z-1.jsonl")
+    writer.append(_interaction("chatcmpl-a", ASK, [("hi", -0.1), ("yo", -0.1)]))
+    writer.append(_feedback("chatcmpl-a", 1.0, 2, index=0))
+    writer.append(_feedback("chatcmpl-a", -1.0, 2, index=1))
+    writer.close()
+    out = tmp_path / "new" / "deeper"
+    (tmp_path / "old.jsonl").write_text("stale\n")
+    os.chmod(tmp_path / "old.jsonl", 0o644)
+    export_cli.main(["--input", str(log_dir), "--sft", str(out / "sft.jsonl"),
+                     "--pairs", str(tmp_path / "old.jsonl")])
+    mode = lambda path: stat.S_IMODE(os.stat(path).st_mode)  # noqa: E731
+    assert [mode(out / name) for name in ("sft.jsonl", "sft.stats.json")] == [0o600, 0o600]
+    assert mode(tmp_path / "old.jsonl") == 0o600 and "stale" not in (tmp_path / "old.jsonl").read_text()
+    assert mode(out) == mode(out.parent) == 0o700  # created by the export
+    assert sorted(p.name for p in out.iterdir()) == ["sft.jsonl", "sft.stats.json"]  # no temporary left
 
 
 def test_export_refuses_a_missing_or_empty_directory(tmp_path):
