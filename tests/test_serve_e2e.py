@@ -2,16 +2,21 @@
 official `openai` client, greedy output equal to the argmax chain of `glm5_jax.forward`; a server
 config file (aliases, a rate-limited key), cached tokens from the real prefix cache, /metrics."""
 
+import asyncio
+import collections
 import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import fuzz_requests
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 from reference import greedy_chain, perturbed_params
 
@@ -141,3 +146,102 @@ def test_config_aliases_limits_cached_tokens_and_metrics(server):
     assert samples[("glm5_rate_limited_requests_total", limited_key)] == 1
     assert samples[("glm5_compile_count", ())] == httpx.get(f"http://127.0.0.1:{port}/health").json()[
         "compile_count"]
+
+
+# ---------------------------------------------------------------- fuzzing (issue 37)
+# Generated requests (tests/fuzz_requests.py) against this module's server, at a small budget;
+# bench/fuzz_serve.py sends thousands (docs/serving.md, "Fuzzing"). OPEN_CASES: issue 37's
+# reproducers this server still answers wrongly. Their tests are strict xfails, so a fix shows as
+# a failing XPASS until its entry is deleted here; while any is open, the generated test is
+# expected to fail on them too.
+OPEN_CASES = {
+    "huge_model_name": "the 404 for an unknown model echoes a 1 MB model name back",
+    "huge_tool_choice": "the 400 for an unknown tool_choice echoes a 100 kB value back",
+}
+FUZZ_EXAMPLES = 80
+FUZZ_TIMEOUT = 60  # seconds for one whole answer; a first request of a kind may compile for ~10 s
+
+
+def _fuzz_target(model_id: str) -> fuzz_requests.Target:
+    # --max-slots 4 and the default --max-waiting (8 per slot): 36 generations fit at once.
+    return fuzz_requests.Target(model_id, "secret", 320, 4 + 8 * 4, ("glm-5",))
+
+
+def _fuzz_answer(port: int, request: fuzz_requests.FuzzRequest) -> fuzz_requests.Outcome:
+    async def exchange():
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            return await fuzz_requests.send(client, request, FUZZ_TIMEOUT)
+
+    return asyncio.run(exchange())
+
+
+def _greedy_text(port: int, model_id: str) -> str:
+    body = {"model": model_id, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0}
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60,
+                          headers={"authorization": "Bearer secret"})
+    return response.json()["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def server_output(server):
+    """The tail of the server's output, read on a thread from its stdout pipe (via /proc): the server
+    fixture never reads that pipe, and tracebacks fill its 64 KB soon under fuzzing, after which the
+    server blocks on its next log line and answers nothing."""
+    port = server[0]
+    pid = next(int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()
+               and _cmdline(entry)[1:2] == ["serve.py"] and f"{port}" in _cmdline(entry))
+    tail = collections.deque(maxlen=200)
+    pipe = open(f"/proc/{pid}/fd/1", "rb")  # the same pipe, a reader of our own; closed at EOF
+
+    def read():
+        with pipe:
+            for line in pipe:
+                tail.append(line.decode(errors="replace"))
+
+    threading.Thread(target=read, name="serve.py-output", daemon=True).start()
+    return tail
+
+
+def _cmdline(entry: Path) -> list[str]:
+    try:
+        return (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+@pytest.mark.parametrize("name", [case.name.removeprefix("case:")
+                                  for case in fuzz_requests.known_cases(_fuzz_target("-"))])
+def test_issue37_case_answered_as_documented(server, server_output, name, request):
+    if name in OPEN_CASES:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=OPEN_CASES[name]))
+    port, model_id = server
+    case = next(c for c in fuzz_requests.known_cases(_fuzz_target(model_id)) if c.name == f"case:{name}")
+    outcome = _fuzz_answer(port, case)
+    assert fuzz_requests.problems(case, outcome, idle=True) == [], (outcome.status, outcome.content[:300])
+
+
+@pytest.mark.xfail(condition=bool(OPEN_CASES), reason="issue 37's open cases (OPEN_CASES) are generated too")
+def test_fuzzed_requests_get_documented_answers(server, server_output):
+    """FUZZ_EXAMPLES generated requests, one at a time (so a 503 is never right): none gets an
+    undocumented 5xx, hangs or a wrong answer (fuzz_requests.problems); then /health is 200 and the
+    greedy answer is what it was."""
+    port, model_id = server
+    before = _greedy_text(port, model_id)
+    found, hung = [], []
+
+    @settings(max_examples=FUZZ_EXAMPLES, derandomize=True, database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(fuzz_requests.requests(_fuzz_target(model_id)))
+    def fuzz(fuzz_request):
+        if hung:  # a hung request holds a slot: stop before they fill the server
+            return
+        outcome = _fuzz_answer(port, fuzz_request)
+        hung.extend([fuzz_request] if outcome.timed_out else [])
+        reproducer = json.dumps(fuzz_request.reproducer())[:300]
+        found.extend(f"{problem}: {reproducer}" for problem in fuzz_requests.problems(
+            fuzz_request, outcome, idle=True))
+
+    fuzz()
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+    assert _greedy_text(port, model_id) == before
+    assert not found, "\n".join([*dict.fromkeys(found), "the server's last lines:", *server_output])
