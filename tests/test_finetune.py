@@ -3,6 +3,7 @@ parameters get no update and no optimizer state, `trainable` selects what trains
 architecture of `init_from` must agree with what a config gives."""
 
 import fnmatch
+import logging
 
 import jax
 import numpy as np
@@ -12,10 +13,12 @@ from reference import build_reference, random_params
 from glm5_jax.model import ConfigError, apply_model
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.runs import RunNotFoundError
+from glm5_jax.train.checkpoints import CheckpointError, RunCheckpoints
 from glm5_jax.train.init_from import checkpoint_architecture, initial_weights, merge_architecture
 from glm5_jax.train.loss import language_model_losses
 from glm5_jax.train.optimizer import make_optimizer, param_path, trained_names
 from glm5_jax.train.settings import TrainSettings
+from glm5_jax.train.step import init_train_state, make_train_step
 
 
 def updates_of(settings: TrainSettings, params):
@@ -88,3 +91,62 @@ def test_init_from_a_directory_that_is_no_checkpoint_says_so(tmp_path):
     (tmp_path / "notes.txt").write_text("not weights")
     with pytest.raises(RunNotFoundError, match="init_from: .* is neither a train.py run directory"):
         checkpoint_architecture(tmp_path)
+
+
+
+@pytest.fixture(scope="module")
+def saved_run(tiny_config, tmp_path_factory):
+    """A train.py run directory (orbax checkpoint at step 3) of the tiny model without MTP."""
+    config = tiny_config.replace(num_mtp_layers=0)  # no MTP block: a quicker train-step compile
+    workdir = tmp_path_factory.mktemp("saved_run")
+    run = RunCheckpoints(workdir)
+    state = init_train_state(random_params(config, 0), make_optimizer(TrainSettings()))
+    run.save(3, state, {}, {"model": config.to_dict()})
+    run.close()
+    return workdir
+
+
+def test_a_fresh_init_from_run_compiles_its_train_step_once(saved_run):
+    """init_from a train.py run, as train.py starts it: orbax restores the weights committed to
+    their device, like everything a step returns; the fresh step counter and optimizer counts must
+    be too, or jit (which keys on committedness) compiles step 1 and step 2 separately (issue 38:
+    30-80 s each on the demo). Counts XLA compilations of the train step over three steps."""
+    settings = TrainSettings(warmup_steps=0, batch_size=2)
+    optimizer = make_optimizer(settings)
+    found = checkpoint_architecture(saved_run)
+    state = init_train_state(initial_weights(saved_run, found, ExecutionOptions()), optimizer)
+    train_step = make_train_step(found, settings, optimizer)
+    ids = np.random.default_rng(0).integers(0, found.vocab_size, (2, 16), dtype=np.int32)
+    batch = {"input_ids": ids, "segment_ids": np.ones_like(ids),
+             "positions": np.broadcast_to(np.arange(16, dtype=np.int32), ids.shape)}
+    compiled = []
+
+    def listener(event, seconds, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for _ in range(3):
+            state, metrics = train_step(state, batch)
+            assert bool(metrics["finite"])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert [name for name in compiled if "train_step" in name] == ["jit(train_step)"], compiled
+
+
+def test_reading_a_run_changes_nothing_and_warns_of_nothing(saved_run, caplog):
+    """init_from (and serve, generate, export) read a run without touching it, and without orbax's
+    "Given directory is read only=<dir>" warning about a directory that is writable."""
+    files = lambda: sorted((str(p), p.stat().st_mtime_ns) for p in saved_run.rglob("*"))  # noqa: E731
+    before = files()
+    with caplog.at_level(logging.INFO):
+        found = checkpoint_architecture(saved_run)
+        initial_weights(saved_run, found, ExecutionOptions())
+    assert not [r.getMessage() for r in caplog.records if "read only" in r.getMessage()]
+    assert files() == before
+    reader = RunCheckpoints(saved_run, read_only=True)
+    with pytest.raises(CheckpointError, match="opened read-only"):
+        reader.save(4, {"x": np.zeros(2)}, {}, {})
+    reader.close()
+    assert files() == before

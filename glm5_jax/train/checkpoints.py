@@ -136,16 +136,22 @@ class RunCheckpoints:
 
     def __init__(self, workdir: str | os.PathLike, keep: int = 3, every: int = 1,
                  read_only: bool = False):
-        """read_only: for readers (generate, export) that must not touch a run in progress."""
+        """read_only: for readers (generate, export, serve, init_from) that must not touch a run
+        in progress: nothing is created, cleaned up, deleted or moved, and `save` refuses."""
         self.directory = Path(workdir).absolute() / CHECKPOINT_DIR
         self.every = every
         self.read_only = read_only
+        # A reader gets orbax's ordinary manager with every writing part off (no root directory
+        # created, no temporary directories cleaned up, nothing garbage-collected; `save` below
+        # refuses), not orbax's read_only=True: that one logs "Given directory is read only=<dir>" at
+        # WARNING on every open, which told users their writable run was read-only (four times
+        # at each serve or fine-tuning start). Restores are the same either way.
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=None if read_only else keep, save_interval_steps=1,
-                create=not read_only, read_only=read_only,
-                cleanup_tmp_directories=not read_only, enable_async_checkpointing=not read_only))
+                create=not read_only, cleanup_tmp_directories=not read_only,
+                enable_async_checkpointing=not read_only))
 
     def latest_step(self) -> int | None:
         """The newest complete step as orbax sees it, unverified (`usable_step` verifies)."""
@@ -205,6 +211,8 @@ class RunCheckpoints:
 
     def save(self, step: int, state, data_state: dict[str, Any], run_config: dict[str, Any]) -> None:
         """Starts an asynchronous save (returns once the arrays are copied off the device)."""
+        if self.read_only:
+            raise CheckpointError(f"{self.directory} was opened read-only; it cannot save step {step}")
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(data_state),

@@ -46,7 +46,35 @@ class TrainState:
 
 
 def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+    """Step 0 and fresh optimizer moments for `params`, every array placed where the params live.
+
+    Weights that were loaded (orbax restores, device_put into shardings: fine-tuning's init_from)
+    are committed to their devices, and so is everything a train step returns, while the fresh
+    counters (the step, optax's counts) would not be: jit keys its cache on committedness, so
+    such a mix made the first step compile a program of its own and step 2 compile the real one.
+    Committed params: the uncommitted leaves go to the params' device, or replicated over their
+    mesh (as `train_state_shardings` puts them). Uncommitted params (a run from scratch) and
+    traced ones (under jit or eval_shape) are left as they are.
+    """
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+    placed = _fresh_leaf_sharding(params)
+    if placed is None:
+        return state
+    return jax.tree.map(lambda x: x if x.committed else jax.device_put(x, placed), state)
+
+
+def _fresh_leaf_sharding(params):
+    """Where a new scalar beside committed `params` belongs (None: leave it uncommitted)."""
+    leaves = jax.tree.leaves(params)
+    if not leaves or not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                             and x.committed for x in leaves):
+        return None
+    where = leaves[0].sharding
+    if isinstance(where, NamedSharding):
+        return NamedSharding(where.mesh, PartitionSpec())
+    if len(where.device_set) == 1:
+        return jax.sharding.SingleDeviceSharding(next(iter(where.device_set)))
+    return None
 
 
 def update_router_bias(params, loads: dict[str, jax.Array], rate: float):
