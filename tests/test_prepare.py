@@ -1,13 +1,16 @@
 """Tests for glm5_jax.data.prepare on a planted corpus: every rule drops exactly its planted junk,
 near-duplicates with known edits are found (and no pair below 0.5 Jaccard is), stats add up, the
-learned scorer beats a constant, executors agree, the shards read back as a training source, and
-the difficulty stage stores a reference model's bits per byte.
+learned scorer beats a constant, executors agree, the shards read back as a training source, every
+input path ends with an outcome (binary, empty, dangling and looping symlinks, duplicate paths:
+each real file and folder read once, in prepare and the training sources alike), and the
+difficulty stage stores a reference model's bits per byte.
 
 No JAX but in the last test (the difficulty stage's tiny reference model, ~5 s); the whole file runs
 in a few seconds plus Ray's start-up (one test) and that one.
 """
 
 import json
+import os
 import random
 import sysconfig
 
@@ -15,14 +18,15 @@ import numpy as np
 import pytest
 
 from glm5_jax.data import make_train_iterator, source_spec_from_dict, train_bpe_tokenizer
+from glm5_jax.data.paths import SKIP_REASONS
 from glm5_jax.data.prepare import domains, normalise, quality, quality_data
 from glm5_jax.data.prepare.config import PrepareConfigError, settings_from_config
 from glm5_jax.data.prepare.dedup import shingles
 from glm5_jax.data.prepare.executors import LocalExecutor
-from glm5_jax.data.prepare.readers import ReaderSpec, read_source
+from glm5_jax.data.prepare.readers import ReaderSpec, read_source, scan_source
 from glm5_jax.data.prepare.run import prepare
 from glm5_jax.data.prepare.writer import read_prepared, shard_files
-from glm5_jax.data.sources import SourceSpec, load_documents
+from glm5_jax.data.sources import DataSourceError, SourceSpec, load_documents, scan_documents
 
 pytestmark = pytest.mark.xdist_group("prepare")
 
@@ -401,6 +405,107 @@ def test_config_errors_name_the_key():
         settings_from_config({"sources": []})
     with pytest.raises(ValueError, match="reader kind"):
         settings_from_config({"sources": [dict(kind="nope", paths=["x"])]})
+
+
+@pytest.fixture
+def awkward_tree(tmp_path):
+    """A tree with every kind of input path a source skips, and four real text files (one of them
+    outside, reached through a symlinked folder); returns (tree, {path: expected read outcome})."""
+    rng = random.Random(1)
+    vocabulary = _vocabulary(rng, 3000)
+    tree, outside = tmp_path / "tree", tmp_path / "outside"
+    (tree / "sub").mkdir(parents=True)
+    outside.mkdir()
+    for path in (
+        tree / "good_a.txt",
+        tree / "good_b.txt",
+        tree / "sub" / "good_c.txt",
+        outside / "good_d.txt",
+    ):
+        path.write_text(_prose(rng, vocabulary))
+    (tree / "nul.txt").write_bytes(b"text with a \x00 byte")
+    (tree / "empty.txt").write_bytes(b"")
+    (tree / "blank.txt").write_text("  \n\t\n")
+    (tree / "dangling.txt").symlink_to(tree / "missing.txt")
+    (tree / "link_to_a.txt").symlink_to("good_a.txt")  # a second name for a file already read
+    (tree / "ext").symlink_to(outside)  # a symlinked folder: followed, once
+    (tree / "again").symlink_to("sub")  # a second name for a folder already walked
+    (tree / "sub" / "loop").symlink_to("..")  # glob would read the tree again 40 levels deep
+    os.mkfifo(tree / "fifo.txt")
+    expected = {
+        f"{tree}/good_a.txt": "kept",
+        f"{tree}/good_b.txt": "kept",
+        f"{tree}/sub/good_c.txt": "kept",
+        f"{tree}/ext/good_d.txt": "kept",
+        f"{tree}/nul.txt": "binary",
+        f"{tree}/empty.txt": "empty",
+        f"{tree}/blank.txt": "whitespace_only",
+        f"{tree}/dangling.txt": "dangling_symlink",
+        f"{tree}/link_to_a.txt": "duplicate_path",
+        f"{tree}/again": "duplicate_path",
+        f"{tree}/sub/loop": "symlink_loop",
+        f"{tree}/fifo.txt": "special_file",
+    }
+    if os.geteuid() != 0:  # root reads any file
+        locked = tree / "locked.txt"
+        locked.write_text(_prose(rng, vocabulary))
+        locked.chmod(0)
+        expected[str(locked)] = "unreadable"
+    yield tree, expected
+    if os.geteuid() != 0:
+        (tree / "locked.txt").chmod(0o644)
+
+
+def test_every_input_path_gets_an_outcome_and_symlinks_are_followed_once(awkward_tree, tmp_path):
+    tree, expected = awkward_tree
+    settings = settings_from_config(
+        {"sources": [dict(kind="files", paths=[f"{tree}/**/*.txt"], name="tree")], "batch_docs": 8}
+    )
+    output = tmp_path / "prepared"
+    with LocalExecutor(workers=1, progress=False) as executor:
+        stats = prepare(settings, output, executor=executor)
+    decisions = [json.loads(line) for line in (output / "decisions.jsonl").read_text().splitlines()]
+    outcomes = {row["id"]: row.get("reason", "kept") for row in decisions}
+    assert outcomes == expected  # every path, once; the loop read nothing twice
+    read_rows = {row["id"]: row for row in decisions if row.get("stage") == "read"}
+    assert read_rows[f"{tree}/link_to_a.txt"]["duplicate_of"] == f"{tree}/good_a.txt"
+    assert read_rows[f"{tree}/again"]["duplicate_of"] == f"{tree}/sub"
+    assert all(row["source"] == "tree" and row["kept"] is False for row in read_rows.values())
+    skipped = [reason for reason in expected.values() if reason != "kept"]
+    assert stats["read"] == {
+        "files_in": len(expected),
+        "files_read": 4,
+        "skipped": {reason: skipped.count(reason) for reason in SKIP_REASONS},
+    }
+    assert stats["documents_in"] == 4  # documents read == real files
+    assert stats["sources"]["tree"] == {
+        "documents_in": 4,
+        "documents_out": 4,
+        "files_read": 4,
+        "files_skipped": len(skipped),
+    }
+    assert json.loads((output / "stats.json").read_text())["read"] == stats["read"]
+
+
+def test_training_sources_and_code_dir_follow_the_same_rule(awkward_tree):
+    tree, expected = awkward_tree
+    kept = sorted(path for path, outcome in expected.items() if outcome == "kept")
+    spec = SourceSpec(kind="files", paths=(f"{tree}/**/*.txt",))
+    assert [document.doc_id for document in load_documents(spec)] == kept
+    scan = scan_documents(spec)
+    assert scan.files_read == 4
+    assert {entry.path: entry.reason for entry in scan.skipped} == {
+        path: outcome for path, outcome in expected.items() if outcome != "kept"
+    }
+    # code_dir: the same walk (it used not to enter symlinked folders, and crashed on a dangling link).
+    code = scan_source(ReaderSpec(kind="code_dir", paths=(str(tree),), extensions=(".txt",)))
+    assert [document.doc_id for document in code.documents] == kept
+    assert {entry.path: entry.reason for entry in code.skipped} == {
+        path: outcome for path, outcome in expected.items() if outcome != "kept"
+    }
+    # Nothing readable at all: the error says what was skipped.
+    with pytest.raises(DataSourceError, match=r"no non-empty documents \(skipped: binary 1, empty 1\)"):
+        load_documents(SourceSpec(kind="files", paths=(f"{tree}/nul.txt", f"{tree}/empty.txt")))
 
 
 def test_parquet_and_code_dir_readers(tmp_path):

@@ -18,6 +18,12 @@ A source is described by a frozen `SourceSpec` (usually built from a config dict
 `load_documents` returns `Document`s in a deterministic order (sorted paths, then line order) with ids
 that do not depend on where Python is installed. `split_documents` assigns each document to train
 or validation by a stable hash of (seed, doc_id), so the split is the same on every host and run.
+
+Globs are expanded as `glob.glob(recursive=True)` would, except that each real file is read once
+and `**` enters each real folder once (glm5_jax/data/paths.py: a symlink loop is not followed 40
+levels deep). `scan_documents` also returns every input path it did not read and why
+(paths.SKIP_REASONS: binary, empty, whitespace-only, unreadable, a symlink loop, a duplicate
+path, ...); prepare writes them to stats.json and decisions.jsonl.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import io
 import json
 import math
 import os
@@ -32,6 +39,15 @@ import sysconfig
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from glm5_jax.data.paths import (
+    SkippedFile,
+    describe_skips,
+    pattern_names,
+    read_text_file,
+    select_files,
+    unique_skips,
+)
 
 SOURCE_KINDS = ("python_stdlib", "files", "jsonl", "chat_jsonl", "preference_jsonl", "prepared")
 # Folders of third-party code living inside the stdlib tree; not standard-library text.
@@ -98,6 +114,15 @@ class Document:
     text: str
 
 
+@dataclasses.dataclass(frozen=True)
+class SourceScan:
+    """What reading a source found: its documents, the files they came from, the paths skipped."""
+
+    documents: list[Document]
+    files_read: int
+    skipped: list[SkippedFile]
+
+
 def source_spec_from_dict(values: Mapping[str, Any]) -> SourceSpec:
     """Builds a SourceSpec from a plain mapping (e.g. a ConfigDict section), naming any bad field.
 
@@ -137,16 +162,19 @@ def _stdlib_files() -> list[tuple[str, Path]]:
     return sorted(set(found))
 
 
-def _expand_paths(paths: Sequence[str]) -> list[tuple[str, Path]]:
-    """(doc_id, path) for explicit files and glob matches, sorted; raises on a missing path or empty glob."""
-    found: set[tuple[str, Path]] = set()
+def _expand_paths(paths: Sequence[str]) -> tuple[list[tuple[str, Path]], list[SkippedFile]]:
+    """match_files of explicit files and globs; raises on a missing path, a folder, or a glob that
+    names no file (not even one it skips)."""
+    skipped: list[SkippedFile] = []
+    names: set[str] = set()
     for entry in paths:
         expanded = os.path.expanduser(entry)
         if _GLOB_CHARACTERS & set(expanded):
-            matches = [name for name in glob.glob(expanded, recursive=True) if os.path.isfile(name)]
-            if not matches:
+            before = len(skipped)
+            matched = pattern_names(entry, skipped)
+            if len(skipped) == before and all(os.path.isdir(name) for name in matched):
                 raise DataPathNotFoundError(f"data glob {entry!r} matches no file")
-            found.update((name, Path(name)) for name in matches)
+            names |= matched
         elif os.path.isdir(expanded):
             raise DataSourceError(
                 f"data path {entry!r} is a directory; give a glob such as '{entry}/**/*.txt'"
@@ -154,8 +182,9 @@ def _expand_paths(paths: Sequence[str]) -> list[tuple[str, Path]]:
         elif not os.path.isfile(expanded):
             raise DataPathNotFoundError(f"data path {entry!r} does not exist")
         else:
-            found.add((expanded, Path(expanded)))
-    return sorted(found)
+            names.add(expanded)
+    found = select_files(names, skipped)
+    return found, unique_skips(skipped)
 
 
 def _prepared_shards(paths: Sequence[str]) -> list[tuple[str, Path]]:
@@ -171,19 +200,26 @@ def _prepared_shards(paths: Sequence[str]) -> list[tuple[str, Path]]:
     return found
 
 
+def scan_source_files(spec: SourceSpec) -> tuple[list[tuple[str, Path]], list[SkippedFile]]:
+    """The files a source reads (`resolve_source_files`) and the paths its globs name that it does
+    not (match_files: dangling symlinks, loops, second names for one file, ...)."""
+    if spec.kind == "python_stdlib":
+        return _stdlib_files(), []
+    if spec.kind == "prepared":
+        return _prepared_shards(spec.paths), []
+    return _expand_paths(spec.paths)
+
+
 def resolve_source_files(spec: SourceSpec) -> list[tuple[str, Path]]:
     """The files a source reads.
 
     Args:
         spec: the source.
     Returns:
-        sorted list of (doc_id prefix, path); for python_stdlib the id is relative to the install.
+        sorted list of (doc_id prefix, path), one per real file; for python_stdlib the id is
+        relative to the install.
     """
-    if spec.kind == "python_stdlib":
-        return _stdlib_files()
-    if spec.kind == "prepared":
-        return _prepared_shards(spec.paths)
-    return _expand_paths(spec.paths)
+    return scan_source_files(spec)[0]
 
 
 def source_fingerprint(spec: SourceSpec) -> dict[str, Any]:
@@ -192,40 +228,73 @@ def source_fingerprint(spec: SourceSpec) -> dict[str, Any]:
     return {"kind": spec.kind, "field": spec.field if spec.kind == "jsonl" else None, "files": files}
 
 
-def _read_text(path: Path) -> str | None:
-    """The file's text, or None for binary files (NUL bytes). Bad UTF-8 is replaced, not fatal."""
-    data = path.read_bytes()
-    if b"\x00" in data:
-        return None
-    return data.decode("utf-8", errors="replace")
+def _lines(text: str) -> Iterable[tuple[int, str]]:
+    """(1-based number, line) as iterating over the file opened in text mode gives them."""
+    return enumerate(io.StringIO(text, newline=None), 1)
 
 
-def _jsonl_documents(doc_id: str, path: Path, field: str) -> Iterable[Document]:
-    """Documents from one JSONL file, one per non-blank line, with ids `path:line` (1-based)."""
-    with path.open(encoding="utf-8", errors="replace") as handle:
-        for line_number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            where = f"{doc_id}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataSourceError(f"{where}: not valid JSON ({error.msg})") from error
-            if not isinstance(record, dict) or field not in record:
-                raise DataSourceError(f"{where}: record has no field {field!r}")
-            text = record[field]
-            if not isinstance(text, str):
-                raise DataSourceError(f"{where}: field {field!r} is {type(text).__name__}, not a string")
-            if text:
-                yield Document(where, text)
+def _jsonl_documents(doc_id: str, text: str, field: str) -> Iterable[Document]:
+    """Documents from one JSONL file's text, one per non-blank line, with ids `path:line` (1-based)."""
+    for line_number, line in _lines(text):
+        if not line.strip():
+            continue
+        where = f"{doc_id}:{line_number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataSourceError(f"{where}: not valid JSON ({error.msg})") from error
+        if not isinstance(record, dict) or field not in record:
+            raise DataSourceError(f"{where}: record has no field {field!r}")
+        value = record[field]
+        if not isinstance(value, str):
+            raise DataSourceError(f"{where}: field {field!r} is {type(value).__name__}, not a string")
+        if value:
+            yield Document(where, value)
 
 
-def _line_documents(doc_id: str, path: Path) -> Iterable[Document]:
+def _line_documents(doc_id: str, text: str) -> Iterable[Document]:
     """One document per non-blank line (kept verbatim; chat_jsonl lines are parsed when tokenised)."""
-    with path.open(encoding="utf-8", errors="replace") as handle:
-        for line_number, line in enumerate(handle, 1):
-            if line.strip():
-                yield Document(f"{doc_id}:{line_number}", line)
+    for line_number, line in _lines(text):
+        if line.strip():
+            yield Document(f"{doc_id}:{line_number}", line)
+
+
+def scan_documents(spec: SourceSpec) -> SourceScan:
+    """Reads every document of a source in a deterministic order, and says what it did not read.
+
+    Args:
+        spec: the source.
+    Returns:
+        SourceScan: the documents sorted by path then line; how many files they came from; every
+        path not read, with its reason (paths.SKIP_REASONS; a JSONL file with no text in any record is
+        `empty`), sorted by path.
+    """
+    files, skipped = scan_source_files(spec)
+    documents: list[Document] = []
+    files_read = 0
+    for doc_id, path in files:
+        if spec.kind == "prepared":
+            from glm5_jax.data.prepare.writer import read_records
+
+            documents.extend(Document(record["id"], record["text"]) for record in read_records(path))
+            files_read += 1
+            continue
+        text = read_text_file(doc_id, path)
+        if isinstance(text, SkippedFile):
+            skipped.append(text)
+            continue
+        if spec.kind == "jsonl":
+            found = list(_jsonl_documents(doc_id, text, spec.field))
+        elif spec.kind in ("chat_jsonl", "preference_jsonl"):
+            found = list(_line_documents(doc_id, text))
+        else:
+            found = [Document(doc_id, text)]
+        if found:
+            documents.extend(found)
+            files_read += 1
+        else:
+            skipped.append(SkippedFile(doc_id, "empty"))
+    return SourceScan(documents, files_read, unique_skips(skipped))
 
 
 def load_documents(spec: SourceSpec) -> list[Document]:
@@ -234,27 +303,15 @@ def load_documents(spec: SourceSpec) -> list[Document]:
     Args:
         spec: the source.
     Returns:
-        list of Document (empty and binary files skipped), sorted by path then line.
+        list of Document (the paths scan_documents skips left out), sorted by path then line.
     """
-    documents: list[Document] = []
-    for doc_id, path in resolve_source_files(spec):
-        if spec.kind == "jsonl":
-            documents.extend(_jsonl_documents(doc_id, path, spec.field))
-            continue
-        if spec.kind in ("chat_jsonl", "preference_jsonl"):
-            documents.extend(_line_documents(doc_id, path))
-            continue
-        if spec.kind == "prepared":
-            from glm5_jax.data.prepare.writer import read_records
-
-            documents.extend(Document(record["id"], record["text"]) for record in read_records(path))
-            continue
-        text = _read_text(path)
-        if text and text.strip():
-            documents.append(Document(doc_id, text))
-    if not documents:
-        raise DataSourceError(f"source {spec.name!r} has no non-empty documents")
-    return documents
+    scan = scan_documents(spec)
+    if not scan.documents:
+        skips = describe_skips(scan.skipped)
+        raise DataSourceError(
+            f"source {spec.name!r} has no non-empty documents" + (f" (skipped: {skips})" if skips else "")
+        )
+    return scan.documents
 
 
 def _unit_hash(seed: int, doc_id: str) -> float:

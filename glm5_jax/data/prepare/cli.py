@@ -63,6 +63,12 @@ def main(argv) -> None:
             )
     except (PrepareConfigError, DataSourceError, FileExistsError, FileNotFoundError) as error:
         raise SystemExit(f"error: {error}") from None
+    read = stats["read"]
+    skipped = ", ".join(f"{reason} {count}" for reason, count in read["skipped"].items() if count)
+    print(
+        f"{'read':12s} {read['files_in']:7d} -> {read['files_read']:7d} files"
+        f"{'  (skipped: ' + skipped + ')' if skipped else ''}"
+    )
     for stage in stats["stages"]:
         dropped = ", ".join(
             f"{reason} {entry['documents']}"

@@ -9,23 +9,29 @@ Kinds:
 
 Documents keep the ids the training sources give them (a path, or `path:line`), so a prepared
 document lands on the same side of train.py's train/validation split as its raw original.
+Paths are expanded and read by the training sources' rules (glm5_jax/data/paths.py): each real
+file once, each real folder entered once, and every path not read returned with its reason
+(binary, empty, whitespace_only, unreadable, symlink_loop, duplicate_path, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from glm5_jax.data.paths import SkippedFile, describe_skips, match_files, read_text_file
 from glm5_jax.data.sources import (
     DataPathNotFoundError,
     DataSourceError,
     Document,
+    SourceScan,
     SourceSpec,
-    load_documents,
-    resolve_source_files,
+    scan_documents,
+    scan_source_files,
 )
 
 READER_KINDS = ("python_stdlib", "files", "jsonl", "prepared", "code_dir", "parquet")
@@ -76,61 +82,108 @@ def reader_spec_from_dict(values: Mapping[str, Any] | ReaderSpec) -> ReaderSpec:
     return ReaderSpec(**values)
 
 
-def _code_dir_documents(spec: ReaderSpec) -> Iterator[Document]:
+def _code_dir_documents(spec: ReaderSpec) -> SourceScan:
     """Files under each directory whose names end with one of the extensions, sorted by path; hidden
-    folders and files (.git, .venv, ...) are skipped."""
-    found = []
+    folders and files (.git, .venv, ...) are skipped, symlinked folders entered once per real folder
+    (the glob `<dir>/**/*<extension>`)."""
+    patterns = []
     for entry in spec.paths:
         root = Path(os.path.expanduser(entry))
         if not root.is_dir():
             raise DataPathNotFoundError(f"code directory {entry!r} does not exist")
-        for folder, folders, names in os.walk(root):
-            folders[:] = [name for name in folders if not name.startswith(".")]
-            found.extend(
-                Path(folder) / name
-                for name in names
-                if name.endswith(spec.extensions) and not name.startswith(".")
-            )
-    for path in sorted(set(found)):
-        data = path.read_bytes()
-        if b"\x00" not in data:  # binary files are skipped, as the training sources do
-            yield Document(path.as_posix(), data.decode("utf-8", errors="replace"))
+        patterns.extend(
+            f"{glob.escape(root.as_posix())}/**/*{glob.escape(extension)}" for extension in spec.extensions
+        )
+    files, skipped = match_files(patterns)
+    documents = []
+    for name, path in files:
+        text = read_text_file(Path(name).as_posix(), path)
+        if isinstance(text, SkippedFile):
+            skipped.append(text)
+        else:
+            documents.append(Document(Path(name).as_posix(), text))
+    skipped = [dataclasses.replace(entry, path=Path(entry.path).as_posix()) for entry in skipped]
+    return SourceScan(documents, len(documents), sorted(skipped, key=lambda entry: entry.path))
 
 
-def _parquet_documents(spec: ReaderSpec) -> Iterator[Document]:
+def _parquet_documents(spec: ReaderSpec) -> SourceScan:
     """Rows of the text column of each Parquet file, ids `path:row` (1-based)."""
     import pyarrow.parquet as parquet  # only when Parquet is read
 
-    for doc_id, path in resolve_source_files(SourceSpec(kind="files", paths=spec.paths)):
-        handle = parquet.ParquetFile(path)
+    files, skipped = scan_source_files(SourceSpec(kind="files", paths=spec.paths))
+    documents, files_read = [], 0
+    for doc_id, path in files:
+        try:
+            handle = parquet.ParquetFile(path)
+        except PermissionError:
+            skipped.append(SkippedFile(doc_id, "unreadable"))
+            continue
         if spec.field not in handle.schema_arrow.names:
             raise DataSourceError(f"{doc_id}: no column {spec.field!r} (columns {handle.schema_arrow.names})")
-        row = 0
+        row, before = 0, len(documents)
         for batch in handle.iter_batches(columns=[spec.field]):
             for text in batch.column(0).to_pylist():
                 row += 1
                 if isinstance(text, str) and text:
-                    yield Document(f"{doc_id}:{row}", text)
+                    documents.append(Document(f"{doc_id}:{row}", text))
+        if len(documents) > before:
+            files_read += 1
+        else:
+            skipped.append(SkippedFile(doc_id, "empty"))  # no row with text
+    return SourceScan(documents, files_read, sorted(skipped, key=lambda entry: entry.path))
+
+
+def scan_source(spec: ReaderSpec) -> SourceScan:
+    """The documents of one reader spec in a deterministic order (sorted paths, then rows), the
+    number of files they came from, and every path not read with its reason."""
+    if spec.kind in _SOURCE_KINDS:
+        scan = scan_documents(SourceSpec(kind=spec.kind, paths=spec.paths, field=spec.field, name=spec.name))
+    else:
+        scan = _code_dir_documents(spec) if spec.kind == "code_dir" else _parquet_documents(spec)
+    if not scan.documents:
+        skips = describe_skips(scan.skipped)
+        raise DataSourceError(
+            f"source {spec.name!r} has no non-empty documents" + (f" (skipped: {skips})" if skips else "")
+        )
+    return scan
 
 
 def read_source(spec: ReaderSpec) -> list[Document]:
-    """The documents of one reader spec, in a deterministic order (sorted paths, then rows)."""
-    if spec.kind in _SOURCE_KINDS:
-        return load_documents(SourceSpec(kind=spec.kind, paths=spec.paths, field=spec.field, name=spec.name))
-    documents = list(_code_dir_documents(spec) if spec.kind == "code_dir" else _parquet_documents(spec))
-    if not documents:
-        raise DataSourceError(f"source {spec.name!r} has no non-empty documents")
-    return documents
+    """The documents of one reader spec (scan_source without the paths it skipped)."""
+    return scan_source(spec).documents
 
 
-def read_sources(specs: Sequence[ReaderSpec]) -> list[tuple[str, Document]]:
-    """(source name, Document) for every source in order; a repeated id gets a `#2`, `#3`... suffix."""
+@dataclasses.dataclass(frozen=True)
+class SourcesRead:
+    """What the prepare run's sources gave, in order.
+
+    Attributes:
+        documents: (source name, Document); a repeated id gets a `#2`, `#3`... suffix.
+        skipped: (source name, SkippedFile) for every path a source named and did not read.
+        files_read: per source name, the files its documents came from.
+    """
+
+    documents: list[tuple[str, Document]]
+    skipped: list[tuple[str, SkippedFile]]
+    files_read: dict[str, int]
+
+
+def scan_sources(specs: Sequence[ReaderSpec]) -> SourcesRead:
+    """Every source's documents, skipped paths and file counts (see SourcesRead)."""
     seen: dict[str, int] = {}
-    documents = []
+    documents, skipped, files_read = [], [], {}
     for spec in specs:
-        for document in read_source(spec):
+        scan = scan_source(spec)
+        for document in scan.documents:
             count = seen[document.doc_id] = seen.get(document.doc_id, 0) + 1
             if count > 1:
                 document = Document(f"{document.doc_id}#{count}", document.text)
             documents.append((spec.name, document))
-    return documents
+        skipped.extend((spec.name, entry) for entry in scan.skipped)
+        files_read[spec.name] = files_read.get(spec.name, 0) + scan.files_read
+    return SourcesRead(documents, skipped, files_read)
+
+
+def read_sources(specs: Sequence[ReaderSpec]) -> list[tuple[str, Document]]:
+    """(source name, Document) for every source in order; a repeated id gets a `#2`, `#3`... suffix."""
+    return scan_sources(specs).documents

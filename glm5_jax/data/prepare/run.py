@@ -10,7 +10,8 @@ difficulty.checkpoint) scores the kept documents under a reference model, here i
     stats.json            counts per stage and rule, duplicates, domain shares, kept fraction, timing
     decisions.jsonl       one line per input document: kept, or the stage and reason that dropped it
                           (and for duplicates the id of the document kept in its place), with the
-                          domain, quality and difficulty where computed
+                          domain, quality and difficulty where computed; then one line per input
+                          path not read (stage "read": binary, empty, symlink_loop, ...)
     summary.png           the plotted summary (when matplotlib is installed)
     review.md             with review > 0: sampled kept and dropped documents per stage
 Everything but stats.json's "timing" section is the same for any executor and worker count.
@@ -30,7 +31,7 @@ from glm5_jax.data.prepare.config import PrepareSettings
 from glm5_jax.data.prepare.dedup import exact_duplicates, near_duplicates
 from glm5_jax.data.prepare.difficulty import check_reference, score_texts, summarise
 from glm5_jax.data.prepare.quality import ensure_model
-from glm5_jax.data.prepare.readers import read_sources
+from glm5_jax.data.prepare.readers import SourcesRead, scan_sources
 from glm5_jax.data.prepare.review import ReviewSampler
 from glm5_jax.data.prepare.rules import RULE_NAMES
 from glm5_jax.data.prepare.stages import analyse_batch, filter_batch
@@ -77,12 +78,16 @@ def _run_batches(executor, function, items: Sequence[Any], size: int, desc: str)
 class _Run:
     """One run's driver-side state: the documents, their counts, the review sample and each fate."""
 
-    def __init__(self, settings: PrepareSettings, documents, review: int):
+    def __init__(self, settings: PrepareSettings, read: SourcesRead, review: int):
         self.settings = settings
-        self.documents = documents  # [(source name, Document)], input order
+        self.documents = read.documents  # [(source name, Document)], input order
+        self.skipped = read.skipped  # [(source name, SkippedFile)]: the paths not read
         self.stats = PipelineStats(_REASONS)
+        for name, files_read in read.files_read.items():
+            reasons = [entry.reason for source, entry in read.skipped if source == name]
+            self.stats.read(name, files_read, reasons)
         self.review = ReviewSampler(review, settings.seed)
-        self.fates: list[dict[str, Any]] = [{} for _ in documents]
+        self.fates: list[dict[str, Any]] = [{} for _ in self.documents]
         self.worker_seconds: dict[str, float] = {}
         self.duplicates: dict[str, dict[str, Any]] = {}
         self.kept: list[int] = []  # indices of the written records' documents, in order
@@ -209,6 +214,12 @@ class _Run:
                 self.stats.source(source, kept)
                 record = {"id": document.doc_id, "source": source, "kept": kept, **fate}
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            for source, entry in self.skipped:
+                record = {"id": entry.path, "source": source, "kept": False}
+                record.update(stage="read", reason=entry.reason)
+                if entry.duplicate_of is not None:
+                    record["duplicate_of"] = entry.duplicate_of
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def prepare(
@@ -244,7 +255,7 @@ def prepare(
 
     if settings.difficulty.checkpoint:
         check_reference(settings.difficulty)  # a bad path fails now, not after the filters
-    run = _Run(settings, read_sources(settings.sources), review)
+    run = _Run(settings, scan_sources(settings.sources), review)
     quality_model = ensure_model(settings.quality, settings.seed)
     lap("read")
     alive = run.normalise(executor)

@@ -5,6 +5,8 @@ rule name, "exact_duplicate", ...), and `tokens_changed`, the tokens a stage rem
 it kept (normalisation, cleaning). They add up: documents_in = documents_out + dropped documents,
 tokens_in = tokens_out + dropped tokens + tokens_changed, and a stage's out is the next one's in.
 With the difficulty stage, a `difficulty` section gives the distribution of the scores (null without it).
+Before the stages, `read` counts input paths (files, and folders a `**` or code_dir walk did not
+enter): files_in = files_read + the skipped ones per reason (SKIP_REASONS, zeros included).
 Timing lives in its own section ("timing"), the only part that differs between identical runs: wall
 seconds per step and per 1k documents (they depend on the machine's load), the driver's CPU seconds
 per step (reading, the global dedup, writing) and the workers' CPU seconds per stage per 1k documents.
@@ -17,6 +19,8 @@ import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from glm5_jax.data.paths import SKIP_REASONS
 
 STAGES = ("normalise", "exact_dedup", "near_dedup", "rules", "quality", "domain")
 LEVELS = {"normalise": 1, "exact_dedup": 1, "near_dedup": 1, "rules": 1, "quality": 2, "domain": 3}
@@ -40,6 +44,16 @@ class PipelineStats:
         self.domains: Counter[str] = Counter()
         self.domain_tokens: Counter[str] = Counter()
         self.sources: dict[str, Counter[str]] = {}
+        self.files_read = 0
+        self.files_skipped: Counter[str] = Counter({reason: 0 for reason in SKIP_REASONS})
+
+    def read(self, name: str, files_read: int, skipped_reasons: list[str]) -> None:
+        """One source's input paths: how many files were read, and each skipped path's reason."""
+        counts = self.sources.setdefault(name, Counter(documents_in=0, documents_out=0))
+        counts["files_read"] += files_read
+        counts["files_skipped"] += len(skipped_reasons)
+        self.files_read += files_read
+        self.files_skipped.update(skipped_reasons)
 
     def passed(self, stage: str, tokens_in: int, tokens_out: int) -> None:
         counts = self._stages[stage]
@@ -82,6 +96,11 @@ class PipelineStats:
         first, last = stages[0], stages[-1]
         documents, tokens = sum(self.domains.values()), sum(self.domain_tokens.values())
         return {
+            "read": {
+                "files_in": self.files_read + sum(self.files_skipped.values()),
+                "files_read": self.files_read,
+                "skipped": dict(self.files_skipped),
+            },
             "documents_in": first["documents_in"],
             "documents_out": last["documents_out"],
             "tokens_in": first["tokens_in"],
@@ -130,14 +149,16 @@ def plot_summary(stats: dict[str, Any], output: str | os.PathLike) -> Path | Non
     funnel.set_title(f"documents per stage (kept {stats['kept_fraction']['documents']:.1%})")
     funnel.tick_params(axis="x", rotation=30)
     funnel.legend()
-    drops = [
+    skipped = stats["read"]["skipped"]
+    drops = [(f"read: {reason} (files)", count) for reason, count in skipped.items() if count]
+    drops += [
         (f"{stage['name']}: {reason}", entry["documents"])
         for stage in stats["stages"]
         for reason, entry in stage["dropped"].items()
         if entry["documents"]
     ]
     reasons.barh([label for label, _ in drops][::-1], [count for _, count in drops][::-1], color="#c44e52")
-    reasons.set_title("documents dropped, per reason")
+    reasons.set_title("files skipped and documents dropped, per reason")
     shares = stats["domains"]
     domains.bar(list(shares), [entry["token_share"] for entry in shares.values()], color="#55a868")
     domains.set_title("domain shares of kept tokens")
