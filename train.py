@@ -8,10 +8,12 @@ The config file's `get_config()` returns an ml_collections ConfigDict with these
                scan_unroll, causal_block_size, moe_impl, attention_impl, indexer_impl,
                decode_attention_impl, expert_dispatch, expert_capacity_factor, pipeline_microbatches
                (e.g. --config.execution.remat=full)
-  data.*       sources (python_stdlib | files | jsonl | chat_jsonl, with weights; chat_jsonl trains on
-               assistant turns only, rendered with the run's chat template), tokenizer_path ("" trains a
-               byte-level BPE of data.vocab_size on the sources, cached in data.cache_dir, or
-               in the workdir when cache_dir is ""),
+  data.*       sources, each with a kind and a weight: python_stdlib | files | jsonl | chat_jsonl
+               (trains on assistant turns only, rendered with the run's chat template) |
+               preference_jsonl (chosen/rejected pairs for objective="dpo") | prepared (the shards
+               `python -m glm5_jax.data.prepare` writes; glm5_jax/data/sources.py),
+               tokenizer_path ("" trains a byte-level BPE of data.vocab_size on the sources, cached
+               in data.cache_dir, or in the workdir when cache_dir is ""),
                seq_len, validation_fraction, seed, and optionally schedule: staged mixtures, a list of
                dict(until_step=N, weights=dict(<source name>=w, ...), difficulty_weight=b) whose last
                stage has no until_step; a stage trains the steps after the previous until_step up to
@@ -39,6 +41,7 @@ SIGTERM or Ctrl-C saves a checkpoint and exits; SIGKILL never corrupts the lates
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -57,6 +60,7 @@ from tqdm import tqdm
 from glm5_jax import data as data_lib
 from glm5_jax.data.chat import ChatStatistics
 from glm5_jax.data.schedule import schedule_from_config
+from glm5_jax.data.tokenizer import tokenizer_cache_path
 from glm5_jax.host_memory import reuse_freed_memory
 from glm5_jax.model import ConfigError, ModelConfig, init_params
 from glm5_jax.model.count import count_params
@@ -112,6 +116,31 @@ def prepare_workdir(path: str) -> Path:
     except OSError as error:
         raise SystemExit(f"error: run directory {workdir} is not writable ({error})") from None
     return workdir
+
+
+class Phase:
+    """Says what a phase that can take a while is doing ("<doing>..."), then, at `done()` or the
+    end of a `with` block, how long it took ("<finished> in 12.3 s"): a run never sits silent for
+    minutes (tokenizer training, reading data, loading weights, XLA compiling the steps).
+    write: tqdm.write once the progress bar is up."""
+
+    def __init__(self, doing: str, finished: str, write=print):
+        self.finished, self.write = finished, write
+        self.write(f"{doing}...")
+        sys.stdout.flush()
+        self.started = time.perf_counter()
+
+    def done(self, result: str = "") -> None:
+        seconds = time.perf_counter() - self.started
+        self.write(f"{self.finished} in {seconds:.1f} s" + (f"; {result}" if result else ""))
+        sys.stdout.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error_type, *_):
+        if error_type is None:
+            self.done()
 
 
 def evaluate(eval_step, params, batches) -> dict[str, float]:
@@ -181,9 +210,14 @@ def main(argv):
         if settings.init_from:  # the checkpoint's own tokenizer
             tokenizer = init_from_lib.load_tokenizer(settings.init_from)
         else:
-            tokenizer = data_lib.load_or_train_tokenizer(
-                config.data.tokenizer_path or None, sources, config.data.vocab_size,
-                str(Path(config.data.cache_dir).expanduser()) if config.data.cache_dir else str(workdir))
+            cache_dir = str(Path(config.data.cache_dir or workdir).expanduser())
+            trains = not config.data.tokenizer_path and not tokenizer_cache_path(
+                sources, config.data.vocab_size, cache_dir).is_file()
+            with Phase(f"training a byte-level BPE tokenizer (vocab {config.data.vocab_size}) on the "
+                       f"sources, cached in {cache_dir}", "trained the tokenizer"
+                       ) if trains else contextlib.nullcontext():
+                tokenizer = data_lib.load_or_train_tokenizer(
+                    config.data.tokenizer_path or None, sources, config.data.vocab_size, cache_dir)
         data_lib.check_vocab_fits(tokenizer, model_config.vocab_size)
     except (FileNotFoundError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
@@ -197,16 +231,20 @@ def main(argv):
         data_options["chat_renderer"] = chat_renderer(workdir)
         chat_statistics = {"train": ChatStatistics(), "validation": ChatStatistics()}
     # batch_size is global; each host loads its own rows from its own shard of the documents.
-    train_batches = data_lib.make_train_iterator(
-        sources, tokenizer, batch_size=settings.batch_size // jax.process_count(),
-        shard_index=jax.process_index(), shard_count=jax.process_count(),
-        chat_statistics=chat_statistics.get("train"), schedule=data_schedule, **data_options)
-    validation_batches = data_lib.make_validation_batches(
-        sources, tokenizer, batch_size=settings.batch_size, max_batches=settings.eval_batches,
-        chat_statistics=chat_statistics.get("validation"), **data_options)
+    with Phase(f"reading and tokenizing the data ({len(sources)} source{'s' * (len(sources) > 1)})",
+               "read the data"):
+        train_batches = data_lib.make_train_iterator(
+            sources, tokenizer, batch_size=settings.batch_size // jax.process_count(),
+            shard_index=jax.process_index(), shard_count=jax.process_count(),
+            chat_statistics=chat_statistics.get("train"), schedule=data_schedule, **data_options)
+        validation_batches = data_lib.make_validation_batches(
+            sources, tokenizer, batch_size=settings.batch_size, max_batches=settings.eval_batches,
+            chat_statistics=chat_statistics.get("validation"), **data_options)
+    pairs = settings.objective == "dpo"  # preference pairs, counted as pairs and answers
+    data_kind = "preference_data" if pairs else "chat_data"
     for split, counts in chat_statistics.items():
-        summary = ", ".join(f"{k} {v}" for k, v in counts.as_dict().items())
-        print(f"chat data ({split}): " + summary, flush=True)
+        summary = ", ".join(f"{k} {v}" for k, v in counts.as_dict(pairs).items())
+        print(f"{data_kind.replace('_', ' ')} ({split}): " + summary, flush=True)
     token_bytes = jnp.asarray(data_lib.token_byte_lengths(tokenizer), jnp.float32)
     token_bytes = jnp.pad(token_bytes, (0, max(model_config.vocab_size - token_bytes.shape[0], 0)))
 
@@ -219,6 +257,13 @@ def main(argv):
         raise SystemExit(f"error: {error}") from None
     make_state = lambda: init_train_state(  # noqa: E731
         init_params(model_config, settings.seed, options=options), optimizer)
+    if resume_step is not None:
+        loading = Phase(f"restoring checkpoint step {resume_step}", f"restored step {resume_step}")
+    elif settings.init_from:
+        loading = Phase(f"loading the weights of {settings.init_from}", "loaded the weights")
+    else:
+        loading = Phase("initialising the parameters (XLA compiles the initialisation first)",
+                        "initialised the parameters")
     if resume_step is None and settings.init_from:  # fine-tuning: the weights, a fresh optimizer
         param_shardings = None if mesh is None else train_state_shardings(
             model_config, optimizer, mesh, rules, options=options).params
@@ -251,6 +296,7 @@ def main(argv):
             raise SystemExit(f"error: {error}") from None
         except ValueError as error:  # e.g. data.schedule added or removed since the checkpoint
             raise SystemExit(f"error: cannot resume the data at step {resume_step}: {error}") from None
+    loading.done()
     counts = count_params(model_config)
     print(f"model: {counts['total'] / 1e6:.1f}M params ({counts['active'] / 1e6:.1f}M active, "
           f"MTP {counts['mtp'] / 1e6:.1f}M); tokenizer vocab {tokenizer.get_vocab_size()}; "
@@ -275,7 +321,9 @@ def main(argv):
         reference_log_probs = make_reference_log_probs(model_config, options)
         with_reference = lambda batch: {  # noqa: E731
             **batch, "reference_log_probs": reference_log_probs(reference_params, batch)}
-        validation_batches = [with_reference(place_batch(batch)) for batch in validation_batches]
+        with Phase("scoring the validation pairs with the reference (XLA compiles its forward first)",
+                   "scored the validation pairs"):
+            validation_batches = [with_reference(place_batch(batch)) for batch in validation_batches]
         eval_step = make_dpo_eval_step(model_config, settings.dpo_beta, options)
     else:
         with_reference = lambda batch: batch  # noqa: E731
@@ -286,11 +334,19 @@ def main(argv):
     stop = StopRequested()
     step = int(state.step)
     if chat_statistics:  # what chat data was kept, cut and skipped (the truncation rules)
-        metrics_log.write(step, {f"chat_data/{split}/{name}": value
+        metrics_log.write(step, {f"{data_kind}/{split}/{name}": value
                                  for split, counts in chat_statistics.items()
-                                 for name, value in counts.as_dict().items()})
+                                 for name, value in counts.as_dict(pairs).items()})
+    show = lambda evaluation: " ".join(f"{key} {value:.4f}" for key, value in evaluation.items())  # noqa: E731
+    # The first evaluation and the first train step of a process compile their programs (tens of
+    # seconds to minutes for the demo on a CPU): each says so, then how long it took.
+    first_evaluation = first_step = True
     if step == 0:
-        metrics_log.write(0, evaluate(eval_step, state.params, validation_batches))
+        evaluating = Phase("step 0: evaluating (XLA compiles the evaluation step first)", "step 0: evaluated")
+        evaluation = evaluate(eval_step, state.params, validation_batches)
+        evaluating.done(show(evaluation))
+        metrics_log.write(0, evaluation)
+        first_evaluation = False
     tokens_per_step = settings.batch_size * config.data.seq_len
     bad_steps = 0
     last_saved = resume_step
@@ -304,12 +360,17 @@ def main(argv):
             tqdm.write(f"data stage {stage} from step {step + 1}: " + ", ".join(
                 f"{key.removeprefix('data/')} {value:.3g}" for key, value in
                 data_schedule.describe(stage).items() if key != "data/stage"))
+        compiling = Phase(f"step {step + 1}: compiling the train step (the first step compiles, then runs)",
+                          f"step {step + 1}: compiled and ran", tqdm.write) if first_step else None
         started = time.perf_counter()
         batch = with_reference(place_batch(next(train_batches)))
         state, metrics = train_step(state, batch)
         step += 1
         loss = float(metrics["loss"])  # waits for the step: the timing below is honest
         seconds = time.perf_counter() - started
+        if compiling is not None:
+            compiling.done(f"loss {loss:.4f}")
+            first_step = False
         if not bool(metrics["finite"]):
             bad_steps += 1
             tqdm.write(f"step {step}: non-finite loss or gradient; update skipped "
@@ -336,9 +397,15 @@ def main(argv):
                           expert_load=load.astype(int).tolist())
             metrics_log.write(step, record)
         if step % settings.eval_every == 0 or step == settings.num_train_steps:
+            evaluating = Phase(f"step {step}: evaluating (XLA compiles the evaluation step first)",
+                               f"step {step}: evaluated", tqdm.write) if first_evaluation else None
             evaluation = evaluate(eval_step, state.params, validation_batches)
             metrics_log.write(step, evaluation)
-            tqdm.write(f"step {step}: " + " ".join(f"{key} {value:.4f}" for key, value in evaluation.items()))
+            if evaluating is not None:
+                evaluating.done(show(evaluation))
+                first_evaluation = False
+            else:
+                tqdm.write(f"step {step}: " + show(evaluation))
         if checkpoints.due(step) or step == settings.num_train_steps:
             checkpoints.save(step, state, train_batches.get_state(), run_config)
             last_saved = step

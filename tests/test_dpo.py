@@ -27,6 +27,10 @@ def test_pairs_render_answers_after_the_prompt(tokenizer):
                                                                                      "content": "Rome."}})
     (pair,), counts = preference_pairs([Document("p.jsonl:1", line)], ChatRenderer(None), tokenizer, 32)
     assert counts.examples == 1 and pair["input_ids"].shape == (2, 32)
+    # train.py logs them as pairs and answers, not as chat's conversations and examples.
+    assert counts.as_dict(pairs=True) == {"pairs": 1, "pairs_kept": 1, "truncated_answers": 0,
+                                          "cut_target_tokens": 0, "dropped_answers": 0,
+                                          "target_tokens": int(pair["loss_mask"].sum())}
     for row, answer in enumerate(("Paris.", "Rome.")):
         length = int(pair["segment_ids"][row].sum())
         assert tokenizer.decode(pair["input_ids"][row, :length].tolist(), skip_special_tokens=False) == (

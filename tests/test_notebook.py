@@ -52,7 +52,7 @@ def stream_text(cell) -> str:
     return "".join(output.get("text", "") for output in cell.outputs if output.output_type == "stream")
 
 
-def test_notebook_runs_on_the_small_setting(tmp_path, monkeypatch):
+def test_notebook_runs_on_the_small_setting(tmp_path, monkeypatch, capfd):
     reason = "the notebook extra is not installed (pip install -e '.[notebook]')"
     nbclient = pytest.importorskip("nbclient", reason=reason)
     nbformat = pytest.importorskip("nbformat", reason=reason)
@@ -77,9 +77,18 @@ def test_notebook_runs_on_the_small_setting(tmp_path, monkeypatch):
     work = tmp_path / "work"
     work.mkdir()
 
-    client = nbclient.NotebookClient(notebook, kernel_name="glm5-test", timeout=300,
+    # The kernel talks to the client over unix sockets, not localhost TCP: over TCP ipykernel (7+)
+    # warns on every start that the traffic is unencrypted. The sockets live in tmp_path.
+    from traitlets.config import Config
+
+    config = Config()
+    config.KernelManager.transport = "ipc"
+    config.KernelManager.ip = str(tmp_path / "kernel")
+    client = nbclient.NotebookClient(notebook, kernel_name="glm5-test", timeout=300, config=config,
                                      resources={"metadata": {"path": str(work)}})
     client.execute()  # raises CellExecutionError, naming the cell and the traceback, if any cell fails
+    kernel_log = capfd.readouterr().err  # the kernel process writes its log to this process's stderr
+    assert "without encryption" not in kernel_log, kernel_log
 
     cells = code_cells(notebook)
     training = next(cell for cell in cells if "train_step(state" in cell.source)

@@ -196,6 +196,13 @@ def test_fine_tuning_on_chat_data_from_an_hf_checkpoint_resumes(uninterrupted, e
     result = run_train(workdir, f"chat:{chat}", *tune)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"initialised from {checkpoint}" in result.stdout
+    # Every phase that can take a while says what it does, then how long it took (issue 38).
+    for started, finished in [(f"loading the weights of {checkpoint}...", "loaded the weights in "),
+                              ("step 0: evaluating (XLA compiles the evaluation step first)...",
+                               "step 0: evaluated in "),
+                              ("step 1: compiling the train step (the first step compiles, then runs)...",
+                               "step 1: compiled and ran in ")]:
+        assert started in result.stdout and finished in result.stdout, result.stdout
     assert (workdir / "tokenizer.json").read_text() == (checkpoint / "tokenizer.json").read_text()
     assert (workdir / "chat_template.jinja").read_text() == (checkpoint / "chat_template.jinja").read_text()
     recorded = json.loads((workdir / "run_config.json").read_text())["model"]  # the whole architecture
@@ -226,6 +233,8 @@ def test_fine_tuning_on_chat_data_from_an_hf_checkpoint_resumes(uninterrupted, e
     result = run_train(workdir, f"chat:{chat}", *tune[:1], tune[3], "--config.num_train_steps=3")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resuming at step 2" in result.stdout and "initialised from" not in result.stdout
+    assert "restoring checkpoint step 2..." in result.stdout and "restored step 2 in " in result.stdout
+    assert "step 3: compiled and ran in " in result.stdout
     assert sorted(losses(workdir)) == [1, 2, 3]
     # (A config that disagrees with the checkpoint's architecture: tests/test_finetune.py.)
 
@@ -236,7 +245,10 @@ def test_fine_tuning_on_chat_data_from_an_hf_checkpoint_resumes(uninterrupted, e
     result = run_train(tmp_path / "dpo", f"pairs:{pairs}", tune[0], tune[3], "--config.objective=dpo",
                        "--config.num_train_steps=2", "--config.eval_every=2")
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "scored the validation pairs in " in result.stdout
+    assert "preference data (train): pairs " in result.stdout and "conversations" not in result.stdout
     records = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["preference_data/train/pairs"] >= records[0]["preference_data/train/pairs_kept"] > 0
     evaluations = [r for r in records if "val_reward_margin" in r]
     assert [r["step"] for r in evaluations] == [0, 2] and evaluations[0]["val_reward_margin"] == 0.0
     assert all("reward_margin" in r and "reward_accuracy" in r for r in records if "loss" in r)

@@ -61,8 +61,19 @@ class ChatStatistics:
         for field in dataclasses.fields(self):
             setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+    def as_dict(self, pairs: bool = False) -> dict[str, int]:
+        """The counts by name. pairs: named as preference pairs count them (glm5_jax/data/preference.py:
+        a pair is one "conversation", each of its two answers one "example"; no chat-only skips)."""
+        counts = dataclasses.asdict(self)
+        if not pairs:
+            return counts
+        return {PAIR_NAMES[name]: value for name, value in counts.items() if name in PAIR_NAMES}
+
+
+# ChatStatistics' counts as preference_pairs fills them: a pair is kept when both answers fit.
+PAIR_NAMES = {"conversations": "pairs", "examples": "pairs_kept", "truncated_examples": "truncated_answers",
+              "cut_target_tokens": "cut_target_tokens", "dropped_examples": "dropped_answers",
+              "target_tokens": "target_tokens"}
 
 
 def json_object(line: str, where: str, what: str) -> dict[str, Any]:
