@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 if "GLM5_TEST_COMPILATION_CACHE" not in os.environ:  # the first process of this run
     os.environ["GLM5_TEST_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="glm5-jax-test-cache-")
@@ -108,11 +109,105 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_logreport(report):  # on the xdist controller too: properties travel with reports
+    for progress in _progress:
+        progress.report(report)
     for name, value in report.user_properties:
         if name == "compiles":
             totals = _per_test.setdefault(report.nodeid, [0, 0.0])
             totals[0] += value[0]
             totals[1] += value[1]
+
+
+# --- progress a person can read: one line per finished test module, and a status line ----------
+# `pytest -q` prints only dots; on the 2-core CI machine the suite runs for many minutes. On the
+# process that reports (the xdist controller, or the only process with -n 0), each test module
+# that finishes prints "[m:ss] tests/test_x.py: 9 passed in 1:02 (12/58 modules, 310/640 tests)",
+# and when a minute passes without such a line, the next finished test prints which modules are
+# still running. Not with -v (which names every test already).
+_STATUS_EVERY = 60.0
+
+
+class _Progress:
+    def __init__(self, reporter):
+        self.reporter = reporter
+        self.started = time.monotonic()
+        self.last_line = self.started
+        self.total: dict[str, int] = {}  # module -> tests collected (after -k / deselection)
+        self.module_started: dict[str, float] = {}
+        self.outcomes: dict[str, dict[str, str]] = {}  # module -> test id -> outcome
+        self.finished: dict[str, int] = {}  # module -> tests torn down
+        self.modules_done = 0
+
+    def collected(self, nodeids) -> None:
+        if self.total:  # every xdist worker reports the same collection
+            return
+        for nodeid in nodeids:
+            module = nodeid.split("::")[0]
+            self.total[module] = self.total.get(module, 0) + 1
+
+    def clock(self, seconds: float) -> str:
+        return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+    def write(self, text: str) -> None:
+        if getattr(self.reporter._tw, "width_of_current_line", 0):  # after the dots of -q
+            self.reporter.write("\n")
+        self.reporter.write_line(f"[{self.clock(time.monotonic() - self.started)}] {text}")
+        self.last_line = time.monotonic()
+
+    def report(self, report) -> None:
+        module = report.nodeid.split("::")[0]
+        if module not in self.total:
+            return
+        self.module_started.setdefault(module, time.monotonic())
+        outcomes = self.outcomes.setdefault(module, {})
+        if report.failed:
+            outcome = "failed" if report.when == "call" else "error"
+        elif report.skipped:
+            outcome = "xfailed" if hasattr(report, "wasxfail") else "skipped"
+        else:
+            outcome = "passed"
+        if outcomes.get(report.nodeid, "passed") == "passed":  # the first non-pass of a test sticks
+            outcomes[report.nodeid] = outcome
+        if report.when != "teardown":
+            return
+        self.finished[module] = self.finished.get(module, 0) + 1
+        finished = sum(self.finished.values())
+        tests = sum(self.total.values())
+        if self.finished[module] == self.total[module]:
+            self.modules_done += 1
+            counts = {}
+            for value in outcomes.values():
+                counts[value] = counts.get(value, 0) + 1
+            summary = ", ".join(f"{count} {name}" for name, count in sorted(counts.items()))
+            self.write(f"{module}: {summary} in {self.clock(time.monotonic() - self.module_started[module])} "
+                       f"({self.modules_done}/{len(self.total)} modules, {finished}/{tests} tests)")
+        elif time.monotonic() - self.last_line >= _STATUS_EVERY:
+            running = [f"{name} ({self.finished.get(name, 0)}/{self.total[name]})"
+                       for name in self.module_started if self.finished.get(name, 0) < self.total[name]]
+            self.write(f"{finished}/{tests} tests done; running " + ", ".join(running))
+
+
+_progress: list[_Progress] = []  # the reporting process's one _Progress
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session):
+    config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if not hasattr(config, "workerinput") and reporter is not None and config.option.verbose <= 0:
+        _progress.append(_Progress(reporter))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    for progress in _progress:
+        progress.collected(ids)
+
+
+def pytest_collection_finish(session):  # -n 0: this process runs the tests it collected
+    for progress in _progress:
+        if session.items:
+            progress.collected(item.nodeid for item in session.items)
 
 
 def pytest_terminal_summary(terminalreporter):
