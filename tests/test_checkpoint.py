@@ -1,6 +1,8 @@
 """HF checkpoint round trips and the errors bad checkpoint directories must give."""
 
 import json
+import os
+import stat
 
 import jax
 import numpy as np
@@ -149,6 +151,23 @@ def test_other_model_type_is_named(single_file_checkpoint):
     config_path.write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="model_type"):
         glm5_jax.load_pretrained(single_file_checkpoint)
+
+
+def test_saved_files_take_the_umask_mode_like_config_json(saved, tmp_path, tiny_config):
+    """safetensors alone writes 0600: every file of a save gets the mode the umask gives a new
+    file (0644 under 022, as config.json always had and Hub downloads have); a 077 umask keeps
+    the whole checkpoint private."""
+    path, params = saved
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in path.iterdir()}
+    assert len(modes) > 3 and set(modes.values()) == {0o666 & ~umask}, modes
+    previous = os.umask(0o077)
+    try:
+        glm5_jax.save_pretrained(tiny_config, params, tmp_path)
+    finally:
+        os.umask(previous)
+    assert {stat.S_IMODE(f.stat().st_mode) for f in tmp_path.iterdir()} == {0o600}
 
 
 def test_resave_replaces_previous_shards(saved, tmp_path, tiny_config):

@@ -359,6 +359,11 @@ def save_pretrained(config: ModelConfig, params, path: str | os.PathLike,
                                                 "activation_scheme": "dynamic",
                                                 "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2))
+        # safetensors writes its files 0600 whatever the umask: give every file the mode config.json
+        # got from the umask (0644 under the usual 022, like files downloaded from the Hub).
+        mode = (staging / "config.json").stat().st_mode & 0o777
+        for file in staging.iterdir():
+            file.chmod(mode)
 
         # Retire the previous checkpoint's description first, then move the new files in.
         for stale in ("config.json", INDEX_FILE):
