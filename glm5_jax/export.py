@@ -30,7 +30,7 @@ def main(argv=None):
     parser.add_argument("--output", required=True, help="directory to write the HF checkpoint to")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 2GB")
     args = parser.parse_args(argv)
-    logging.set_verbosity(logging.ERROR)  # orbax narrates read-only checkpoint access
+    logging.set_verbosity(logging.ERROR)  # orbax narrates each checkpoint it opens and reads
     try:  # the run's newest usable checkpoint (damaged newer steps named and skipped)
         output = export_run(args.workdir, args.output, args.max_shard_size)
     except RunNotFoundError as error:

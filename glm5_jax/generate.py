@@ -49,7 +49,8 @@ def generate_ids(config: ModelConfig, params, prompt_ids: list[int], max_new_tok
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,  # the whole docstring: what it does, examples
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="a train.py run directory or an HF checkpoint directory")
     parser.add_argument("--prompt", required=True, help="text to continue")
@@ -62,7 +63,7 @@ def main(argv=None):
                              "(fp8, int8, nvfp4, mixed) or a recipe file path")
     add_execution_flags(parser)
     args = parser.parse_args(argv)
-    logging.set_verbosity(logging.ERROR)  # orbax narrates read-only checkpoint access
+    logging.set_verbosity(logging.ERROR)  # orbax narrates each checkpoint it opens and reads
 
     try:  # a run's newest usable checkpoint (damaged newer steps named and skipped)
         config, params, tokenizer = load_any(args.checkpoint, quantize=args.quantize)

@@ -1,6 +1,7 @@
 """train.py end to end in subprocesses: exact resume after SIGKILL, clean SIGTERM, the NaN
 guard's stop, bad-input errors; then generate and export from the run."""
 
+import ast
 import json
 import os
 import shutil
@@ -149,6 +150,22 @@ def test_bad_config_is_named(tmp_path, data_glob, override, message):
     result = run_train(tmp_path / "run", data_glob, override)
     assert result.returncode != 0
     assert message in result.stderr + result.stdout
+
+
+def test_help_texts_are_whole(capsys):
+    """train.py --help (absl prints its docstring) names every source kind; generate's --help is
+    its whole docstring, not a first line cut mid-sentence."""
+    from glm5_jax import generate
+    from glm5_jax.data.sources import SOURCE_KINDS
+
+    doc = ast.get_docstring(ast.parse((ROOT / "train.py").read_text()))
+    sources = doc[doc.index("data.*"):doc.index("tokenizer_path")]  # the data section's list of kinds
+    assert [kind for kind in SOURCE_KINDS if kind not in sources] == []
+    with pytest.raises(SystemExit):
+        generate.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "through the serving engine's cached path (paged latent cache, one prefill" in text
+    assert 'python -m glm5_jax.generate --checkpoint runs/demo --prompt "def fibonacci(n):"' in text
 
 
 def test_missing_data_path(tmp_path):
