@@ -2,8 +2,10 @@
 near-duplicates with known edits are found (and no pair below 0.5 Jaccard is), stats add up, the
 learned scorer beats a constant, executors agree, the shards read back as a training source, every
 input path ends with an outcome (binary, empty, dangling and looping symlinks, duplicate paths:
-each real file and folder read once, in prepare and the training sources alike), and the
-difficulty stage stores a reference model's bits per byte.
+each real file and folder read once, in prepare and the training sources alike), every phase
+says what it is doing on stderr (plain lines off a terminal), a missing quality classifier is
+trained only when it would score something, and the difficulty stage stores a reference model's
+bits per byte.
 
 No JAX but in the last test (the difficulty stage's tiny reference model, ~5 s); the whole file runs
 in a few seconds plus Ray's start-up (one test) and that one.
@@ -12,6 +14,7 @@ in a few seconds plus Ray's start-up (one test) and that one.
 import json
 import os
 import random
+import re
 import sysconfig
 
 import numpy as np
@@ -23,6 +26,7 @@ from glm5_jax.data.prepare import domains, normalise, quality, quality_data
 from glm5_jax.data.prepare.config import PrepareConfigError, settings_from_config
 from glm5_jax.data.prepare.dedup import shingles
 from glm5_jax.data.prepare.executors import LocalExecutor
+from glm5_jax.data.prepare.progress import Progress
 from glm5_jax.data.prepare.readers import ReaderSpec, read_source, scan_source
 from glm5_jax.data.prepare.run import prepare
 from glm5_jax.data.prepare.writer import read_prepared, shard_files
@@ -374,6 +378,100 @@ def test_learned_scorer_beats_a_constant(tmp_path):
     text = passages[0].text
     assert loaded.score(text) == pytest.approx(model.score(text), abs=1e-6)
     assert loaded.metrics == json.loads(json.dumps(model.metrics))
+
+
+def test_progress_writes_lines_off_a_terminal(capsys):
+    """Off a terminal (pytest's capture, a CI log) a phase's progress is a start line, a line per
+    `interval` and a done line, never tqdm's carriage-return redraws; disabled, nothing."""
+    bar = Progress("phase", 4, "docs", interval=0.0)
+    for _ in range(4):
+        bar.update()
+    bar.close("note")
+    quiet = Progress("quiet", 4, "docs", enabled=False)
+    quiet.update(4)
+    quiet.close()
+    with Progress("unknown total", None, "files") as counted:  # the default interval: no line between
+        counted.update(3)
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert lines[0] == "phase: started, 4 docs"
+    assert re.fullmatch(r"phase: 1/4 docs \(25%\), [\d.,]+ docs/s, [\d.]+ s elapsed, ETA [\d.]+ s", lines[1])
+    assert re.fullmatch(r"phase: done, 4 docs in [\d.]+ s \([\d.,]+ docs/s\); note", lines[5])
+    assert lines[6] == "unknown total: started" and lines[7].startswith("unknown total: done, 3 files")
+    assert len(lines) == 8
+    assert "\r" not in err and "quiet" not in err
+
+
+def test_every_phase_says_what_it_is_doing(corpus, tmp_path, capsys):
+    """A run with progress on and stderr not a terminal: each phase writes what it does and its count
+    (read per source, normalise, near dedup, the classifier's training, the filters, writing), the
+    summary's stdout gets none of it. The classifier is missing and the prose would be scored, so
+    it is trained (saying each step) and scores."""
+    root = corpus["root"]
+    model = tmp_path / "trained.npz"
+    curated = [dict(kind="files", paths=[f"{root}/text/good_*.txt"], name="curated")]
+    settings = _config(corpus, quality=dict(model_path=str(model), positive_sources=curated))
+    with LocalExecutor(workers=1, progress=True) as executor:
+        stats = prepare(settings, tmp_path / "out", executor=executor)
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err and not captured.out
+    out = {stage["name"]: stage["documents_out"] for stage in stats["stages"]}
+    counts = {
+        "read text": rf"\d+ files in [\d.]+ s .*; {stats['sources']['text']['documents_in']} documents",
+        "read code": rf"{stats['sources']['code']['documents_in']} files in .*; \d+ documents",
+        "read curated": r"30 files in .*; 30 documents",
+        "normalise \\+ dedup keys": rf"{stats['documents_in']} docs in .*",
+        "near dedup \\(LSH\\)": rf"{out['exact_dedup']} docs in .*",
+        "quality: curated passages": r"30 docs in .*; \d+ passages",
+        "quality: Newton-CG fit": r"\d+ steps in .*",
+        "filter \\(domain, rules, quality, cleaning\\)": rf"{out['near_dedup']} docs in .*",
+        "write shards": rf"{stats['documents_out']} records in .*",
+    }
+    for phase, count in counts.items():
+        assert re.search(rf"^{phase}: started", captured.err, re.MULTILINE), phase
+        assert re.search(rf"^{phase}: done, {count}$", captured.err, re.MULTILINE), phase
+    training = r"^quality: training the classifier \(no model at .*trained\.npz yet\)$"
+    assert re.search(training, captured.err, re.MULTILINE)
+    assert re.search(r"^quality: held-out precision .* saved .*trained\.npz$", captured.err, re.MULTILINE)
+    assert model.is_file() and stats["quality"]["skipped"] is None
+    assert stats["quality"]["model"] == str(model) and stats["quality"]["scored"] > 0
+
+
+def test_quality_classifier_is_skipped_when_it_would_score_nothing(corpus, tmp_path, capsys):
+    """A missing model is not trained when no document left would be scored (code only, and prose
+    that fails the rules), nor when its labelled data cannot be built: one line says why, level 2
+    is off for the run, and stats.json records it."""
+    root = corpus["root"]
+    model = tmp_path / "never.npz"
+    curated = [dict(kind="files", paths=[f"{root}/text/good_*.txt"], name="curated")]
+    sources = [
+        dict(kind="code_dir", paths=[f"{root}/code"], extensions=[".py"], name="code"),
+        dict(kind="files", paths=[f"{root}/text/junk_gopher_word_count.txt"], name="short"),  # prose, fails
+    ]
+    settings = _config(corpus, sources=sources, quality=dict(model_path=str(model), positive_sources=curated))
+    with LocalExecutor(workers=1, progress=False) as executor:
+        stats = prepare(settings, tmp_path / "a", executor=executor)
+        err = capsys.readouterr().err
+        assert not model.exists()
+        assert stats["quality"]["model"] is None and stats["quality"]["scored"] == 0
+        assert stats["quality"]["skipped"] == "nothing_to_score"
+        code = stats["sources"]["code"]["documents_in"]
+        assert err.splitlines() == [
+            f"quality: not training the classifier: none of the {code + 1} documents left after dedup "
+            f"(code {code}, prose 1) is of quality.domains (prose, docs, other) and passes the rules, "
+            f"so it would score nothing; level 2 skipped, {model} not written"
+        ]
+        # Prose that would be scored, but no curated source to learn from: skipped, saying why.
+        text = [dict(kind="files", paths=[f"{root}/text/good_0[0-3].txt"], name="text")]
+        settings = _config(corpus, sources=text, quality=dict(model_path=str(model)))
+        stats = prepare(settings, tmp_path / "b", executor=executor)
+        err = capsys.readouterr().err
+        assert err.splitlines() == [
+            "quality: level 2 skipped, the classifier cannot be trained: "
+            "quality.positive_sources is empty: nothing to learn curated text from"
+        ]
+        assert stats["quality"]["skipped"] == "no_training_data" and stats["documents_out"] == 4
+        assert not model.exists()
 
 
 def test_normalise_and_domain_cleaning():

@@ -7,7 +7,8 @@
 Writes DIR/data-*.array_record (train on them with a source dict(kind="prepared", paths=["DIR"])),
 stats.json, decisions.jsonl, summary.png and, with --review, review.md (docs/data.md). With
 --difficulty_checkpoint (or config.difficulty.checkpoint) every kept document's record carries its
-bits per byte under that reference model as `difficulty`.
+bits per byte under that reference model as `difficulty`. What each phase is doing goes to stderr
+(glm5_jax/data/prepare/progress.py); the summary to stdout.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ _EXECUTOR = flags.DEFINE_enum(
 )
 _WORKERS = flags.DEFINE_integer("workers", None, "worker processes (default: all cores)")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace a previous run's output in --output")
-_PROGRESS = flags.DEFINE_bool("progress", True, "show progress bars")
+_PROGRESS = flags.DEFINE_bool(
+    "progress",
+    True,
+    "report each phase's progress on stderr: a bar on a terminal, a line every 10 s otherwise "
+    "(--noprogress: only the quality classifier's training or skip lines and the summary)",
+)
 _DIFFICULTY = flags.DEFINE_string(
     "difficulty_checkpoint",
     None,

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from glm5_jax.data.prepare.config import DedupSettings
+from glm5_jax.data.prepare.progress import Progress
 
 _WORD = re.compile(r"\w+")
 _SCHEME = "affine32"  # datasketch >= 2.0's default hashing scheme, named so stored signatures stay valid
@@ -79,12 +80,15 @@ def exact_duplicates(hashes: Sequence[str]) -> list[int | None]:
     return result
 
 
-def near_duplicates(signatures: Sequence[np.ndarray], settings: DedupSettings) -> list[int | None]:
+def near_duplicates(
+    signatures: Sequence[np.ndarray], settings: DedupSettings, progress: bool = False
+) -> list[int | None]:
     """For each document, the kept document it nearly duplicates (the lowest such index), or None.
 
     Args:
         signatures: uint32 [num_perm] per document, in input order.
         settings: threshold (on the estimated Jaccard similarity), num_perm and seed.
+        progress: report the documents done on stderr (glm5_jax/data/prepare/progress.py).
     Returns:
         list as long as signatures.
     """
@@ -93,14 +97,17 @@ def near_duplicates(signatures: Sequence[np.ndarray], settings: DedupSettings) -
     lsh = MinHashLSH(threshold=settings.threshold, num_perm=settings.num_perm)
     kept: dict[int, np.ndarray] = {}
     result: list[int | None] = []
-    for index, signature in enumerate(signatures):
-        minhash = LeanMinHash(seed=settings.seed, hashvalues=signature, scheme=_SCHEME)
-        candidates = sorted(int(key) for key in lsh.query(minhash))
-        match = next(
-            (other for other in candidates if np.mean(kept[other] == signature) >= settings.threshold), None
-        )
-        if match is None:
-            lsh.insert(str(index), minhash)
-            kept[index] = signature
-        result.append(match)
+    with Progress("near dedup (LSH)", len(signatures), "docs", progress) as bar:
+        for index, signature in enumerate(signatures):
+            minhash = LeanMinHash(seed=settings.seed, hashvalues=signature, scheme=_SCHEME)
+            candidates = sorted(int(key) for key in lsh.query(minhash))
+            match = next(
+                (other for other in candidates if np.mean(kept[other] == signature) >= settings.threshold),
+                None,
+            )
+            if match is None:
+                lsh.insert(str(index), minhash)
+                kept[index] = signature
+            result.append(match)
+            bar.update()
     return result

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from glm5_jax.data.prepare.config import DifficultySettings
+from glm5_jax.data.prepare.progress import Progress, say
 
 UNIT = "bits per byte"
 CHUNK_DOCUMENTS = 1024  # documents whose windows are held in memory at once
@@ -94,11 +94,13 @@ def score_texts(
     Args:
         texts: the documents (each with a non-empty scored part).
         settings: the stage's settings (checkpoint, max_bytes, max_length, batch_size).
-        progress: show a progress bar (windows, rate, ETA) on stderr.
+        progress: report the windows scored (count, rate, ETA) on stderr (progress.py).
         backend: an InProcessBackend to score with (default: loaded from settings.checkpoint).
     Returns:
         DifficultyScores, bits_per_byte in the texts' order.
     """
+    if backend is None and progress:
+        say(f"difficulty: loading the reference model {reference_path(settings)}")
     from glm5_jax.evaluate.backend import rolling_windows
     from glm5_jax.evaluate.inprocess import InProcessBackend
 
@@ -114,7 +116,8 @@ def score_texts(
     if 0 in token_counts:
         raise ValueError(f"document {token_counts.index(0)} has nothing to score (no tokens)")
     windows = sum(-(-count // backend.max_length) for count in token_counts)
-    with tqdm(total=windows, desc="difficulty", unit="window", disable=not progress) as bar:
+    # The first count comes after the first forward call, which compiles the model's program.
+    with Progress("difficulty", windows, "windows", progress) as bar:
         for first in range(0, len(parts), CHUNK_DOCUMENTS):
             pairs, owners = [], []
             for offset, tokens in enumerate(_encode(backend, parts[first : first + CHUNK_DOCUMENTS])):

@@ -4,8 +4,9 @@
     RayExecutor(workers)    Ray tasks: joins the cluster at RAY_ADDRESS, or starts a local Ray
                             instance with `workers` CPUs (about 10 s on a 2-core machine)
 
-Both map a batch function over batches and return the results in batch order, with a progress bar
-(documents, rate and ETA) on stderr; the global steps (dedup, writing) stay in the driver. The
+Both map a batch function over batches and return the results in batch order, with the documents'
+progress (count, rate and ETA: glm5_jax/data/prepare/progress.py) on stderr; the global steps
+(dedup, writing) stay in the driver. The
 batch functions are pure, so both executors, with any worker count, give the same output.
 """
 
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
+from glm5_jax.data.prepare.progress import Progress
 
 EXECUTORS = ("local", "ray")
 
@@ -66,7 +67,7 @@ class LocalExecutor:
 
 
 def _collect(results, batches, desc: str, progress: bool) -> list[Any]:
-    with tqdm(total=sum(map(len, batches)), desc=desc, unit="doc", disable=not progress) as bar:
+    with Progress(desc, sum(map(len, batches)), "docs", progress) as bar:
         collected = []
         for batch, result in zip(batches, results, strict=True):
             collected.append(result)
@@ -131,7 +132,7 @@ class RayExecutor:
         references = [task.remote(function_ref, batch) for batch in batches]
         sizes = {reference: len(batch) for reference, batch in zip(references, batches, strict=True)}
         pending = list(references)
-        with tqdm(total=sum(sizes.values()), desc=desc, unit="doc", disable=not self.progress) as bar:
+        with Progress(desc, sum(sizes.values()), "docs", self.progress) as bar:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
                 bar.update(sizes[done[0]])

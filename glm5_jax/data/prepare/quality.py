@@ -28,14 +28,20 @@ from pathlib import Path
 import numpy as np
 
 from glm5_jax.data.prepare.config import QualitySettings
+from glm5_jax.data.prepare.progress import Progress, say
 from glm5_jax.data.prepare.quality_data import labelled_examples, positive_passages
-from glm5_jax.data.prepare.readers import read_sources
+from glm5_jax.data.prepare.readers import scan_sources
+from glm5_jax.data.sources import Document
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 DEFAULT_DIMS = 1 << 16
 DEFAULT_MAX_TOKENS = 2000
 DEFAULT_L2 = 1e-6  # held-out accuracy on the demo: 0.928 at 1e-4, 0.968 at 1e-5, 0.976 at 1e-6
 DEFAULT_MAX_PASSAGES = 6000  # a fixed sample: more adds little held-out accuracy and costs time
+
+
+class TrainingDataError(ValueError):
+    """The classifier's labelled data cannot be built (no curated source, or too few passages)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +89,16 @@ def _feature_matrix(texts: Sequence[str], dims: int, max_tokens: int):
     return sparse.csr_matrix((values, indices, indptr), shape=(len(texts), dims))
 
 
-def fit_logistic_regression(features, labels: np.ndarray, l2: float) -> tuple[np.ndarray, float]:
+def fit_logistic_regression(
+    features, labels: np.ndarray, l2: float, progress: bool = False
+) -> tuple[np.ndarray, float]:
     """Minimises mean log-loss + l2/2 |w|^2 with Newton-CG (Hessian-vector products are two sparse
     products; on 65k buckets it converges in ~10 steps, where scipy's L-BFGS-B spends ~0.1 s per step
     in its own bookkeeping).
 
     Args:
         features: CSR [N, D]; labels: {0, 1} [N]; l2: regularisation strength.
+        progress: report the Newton steps on stderr.
     Returns:
         (weights float32 [D], bias).
     """
@@ -110,14 +119,16 @@ def fit_logistic_regression(features, labels: np.ndarray, l2: float) -> tuple[np
         scaled = probability * (1.0 - probability) / count * (features @ vector[:dims] + vector[dims])  # [N]
         return np.concatenate([features.T @ scaled + l2 * vector[:dims], [scaled.sum()]])
 
-    result = minimize(
-        loss_and_grad,
-        np.zeros(dims + 1),
-        jac=True,
-        hessp=hessian_times,
-        method="Newton-CG",
-        options={"maxiter": 100},
-    )
+    with Progress("quality: Newton-CG fit", None, "steps", progress) as bar:
+        result = minimize(
+            loss_and_grad,
+            np.zeros(dims + 1),
+            jac=True,
+            hessp=hessian_times,
+            method="Newton-CG",
+            options={"maxiter": 100},
+            callback=lambda params: bar.update(),
+        )
     return result.x[:dims].astype(np.float32), float(result.x[dims])
 
 
@@ -173,21 +184,27 @@ def train_model(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     l2: float = DEFAULT_L2,
     holdout_fraction: float = 0.2,
+    progress: bool = False,
 ) -> QualityModel:
     """Trains the classifier on curated passages vs their synthetic junk; metrics are on the held-out part.
 
     Args:
         positives: Documents of curated passages (quality_data.positive_passages).
         seed, holdout_fraction: fix the negatives and the split; dims, max_tokens: the features;
-        l2: regularisation.
+        l2: regularisation; progress: say each step on stderr.
     Returns:
         the QualityModel, its `metrics` holding {"train": ..., "held_out": ...}.
+    Raises:
+        TrainingDataError: too few passages to train on and hold out a sample.
     """
     train, held_out = labelled_examples(positives, seed, holdout_fraction)
     if not train or not held_out:
-        raise ValueError(f"too few curated passages ({len(positives)}) to train and hold out a sample")
+        raise TrainingDataError(f"too few curated passages ({len(positives)}) to train and hold out a sample")
+    if progress:
+        say(f"quality: fitting on {len(train):,} examples ({len(held_out):,} held out), {dims:,} features")
     features = _feature_matrix([text for text, _, _ in train], dims, max_tokens)
-    weights, bias = fit_logistic_regression(features, np.array([label for _, label, _ in train], float), l2)
+    labels = np.array([label for _, label, _ in train], float)
+    weights, bias = fit_logistic_regression(features, labels, l2, progress)
     model = QualityModel(weights, bias, max_tokens)
     metrics = {
         "train": evaluate(model, train),
@@ -234,32 +251,71 @@ def load_model(path: str | os.PathLike) -> QualityModel:
     return _load(str(path), path.stat().st_mtime_ns)
 
 
+def _check_positive_sources(settings: QualitySettings) -> None:
+    if not settings.positive_sources:
+        raise TrainingDataError("quality.positive_sources is empty: nothing to learn curated text from")
+
+
 def train_from_settings(
-    settings: QualitySettings, seed: int = 0, l2: float = DEFAULT_L2, max_passages: int = DEFAULT_MAX_PASSAGES
+    settings: QualitySettings,
+    seed: int = 0,
+    l2: float = DEFAULT_L2,
+    max_passages: int = DEFAULT_MAX_PASSAGES,
+    documents: Sequence[Document] | None = None,
+    progress: bool = False,
 ) -> QualityModel:
     """Trains on (a deterministic sample of at most max_passages) curated passages of the config's
-    quality.positive_sources."""
-    if not settings.positive_sources:
-        raise ValueError("quality.positive_sources is empty: nothing to learn curated text from")
-    documents = [document for _, document in read_sources(settings.positive_sources)]
-    passages = positive_passages(documents)
+    quality.positive_sources.
+
+    Args:
+        settings: the quality section; seed, l2, max_passages: as train_model and the sample.
+        documents: the positive sources' documents when the caller has read them already (the
+            prepare run, when they are its own sources), else they are read here.
+        progress: say each step (reading, passages, the fit) on stderr.
+    Raises:
+        TrainingDataError: no positive source, or too few curated passages in it.
+    """
+    _check_positive_sources(settings)
+    if documents is None:
+        documents = [document for _, document in scan_sources(settings.positive_sources, progress).documents]
+    passages = []
+    with Progress("quality: curated passages", len(documents), "docs", progress) as bar:
+        for document in documents:  # a document at a time, for the count (ast-parsing ~2k files: ~10 s)
+            passages.extend(positive_passages([document]))
+            bar.update()
+        bar.close(f"{len(passages):,} passages")
     if len(passages) > max_passages:
         rank = lambda passage: hashlib.sha256(f"{seed}\x00{passage.doc_id}".encode()).digest()
         passages = sorted(passages, key=rank)[:max_passages]
-    return train_model(passages, seed=seed, l2=l2)
+        if progress:
+            say(f"quality: training on a fixed sample of {max_passages:,} passages")
+    return train_model(passages, seed=seed, l2=l2, progress=progress)
 
 
-def ensure_model(settings: QualitySettings, seed: int = 0) -> str | None:
-    """The model path of the config, trained and saved first when the file does not exist yet;
-    None when level 2 is off (model_path "")."""
+def ensure_model(
+    settings: QualitySettings,
+    seed: int = 0,
+    documents: Sequence[Document] | None = None,
+    progress: bool = False,
+) -> str | None:
+    """The model path of the config, trained and saved first when the file does not exist yet (saying
+    so on stderr); None when level 2 is off (model_path "").
+
+    Args:
+        settings, seed: the quality section and the training seed.
+        documents, progress: as train_from_settings.
+    Raises:
+        TrainingDataError: the model is missing and its labelled data cannot be built.
+    """
     if not settings.model_path:
         return None
     path = Path(settings.model_path).expanduser()
     if not path.is_file():
-        print(f"quality: training the classifier (no model at {path} yet)", flush=True)
-        model = train_from_settings(settings, seed)
+        _check_positive_sources(settings)
+        say(f"quality: training the classifier (no model at {path} yet)")
+        model = train_from_settings(settings, seed, documents=documents, progress=progress)
         save_model(model, path)
-        print(f"quality: held-out {_summary(model.metrics['held_out'])}", flush=True)
+        say(f"quality: held-out {_summary(model.metrics['held_out'])}; saved {path}")
     return str(path)
 
 
@@ -301,7 +357,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     output = args.output or settings.quality.model_path
     if not output:
         raise SystemExit("error: give --output or set quality.model_path in the config")
-    model = train_from_settings(settings.quality, args.seed, args.l2, args.max_passages)
+    try:
+        model = train_from_settings(settings.quality, args.seed, args.l2, args.max_passages, progress=True)
+    except TrainingDataError as error:
+        raise SystemExit(f"error: {error}") from None
     save_model(model, output)
     print(json.dumps(model.metrics, indent=2))
     print(f"held-out: {_summary(model.metrics['held_out'])}")

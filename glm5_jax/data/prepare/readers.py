@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_jax.data.paths import SkippedFile, describe_skips, match_files, read_text_file
+from glm5_jax.data.prepare.progress import Progress
 from glm5_jax.data.sources import (
     DataPathNotFoundError,
     DataSourceError,
@@ -82,7 +83,7 @@ def reader_spec_from_dict(values: Mapping[str, Any] | ReaderSpec) -> ReaderSpec:
     return ReaderSpec(**values)
 
 
-def _code_dir_documents(spec: ReaderSpec) -> SourceScan:
+def _code_dir_documents(spec: ReaderSpec, progress: Progress) -> SourceScan:
     """Files under each directory whose names end with one of the extensions, sorted by path; hidden
     folders and files (.git, .venv, ...) are skipped, symlinked folders entered once per real folder
     (the glob `<dir>/**/*<extension>`)."""
@@ -95,9 +96,11 @@ def _code_dir_documents(spec: ReaderSpec) -> SourceScan:
             f"{glob.escape(root.as_posix())}/**/*{glob.escape(extension)}" for extension in spec.extensions
         )
     files, skipped = match_files(patterns)
+    progress.set_total(len(files))
     documents = []
     for name, path in files:
         text = read_text_file(Path(name).as_posix(), path)
+        progress.update()
         if isinstance(text, SkippedFile):
             skipped.append(text)
         else:
@@ -106,13 +109,15 @@ def _code_dir_documents(spec: ReaderSpec) -> SourceScan:
     return SourceScan(documents, len(documents), sorted(skipped, key=lambda entry: entry.path))
 
 
-def _parquet_documents(spec: ReaderSpec) -> SourceScan:
+def _parquet_documents(spec: ReaderSpec, progress: Progress) -> SourceScan:
     """Rows of the text column of each Parquet file, ids `path:row` (1-based)."""
     import pyarrow.parquet as parquet  # only when Parquet is read
 
     files, skipped = scan_source_files(SourceSpec(kind="files", paths=spec.paths))
+    progress.set_total(len(files))
     documents, files_read = [], 0
     for doc_id, path in files:
+        progress.update()
         try:
             handle = parquet.ParquetFile(path)
         except PermissionError:
@@ -133,15 +138,24 @@ def _parquet_documents(spec: ReaderSpec) -> SourceScan:
     return SourceScan(documents, files_read, sorted(skipped, key=lambda entry: entry.path))
 
 
-def scan_source(spec: ReaderSpec) -> SourceScan:
+def scan_source(spec: ReaderSpec, progress: bool = False) -> SourceScan:
     """The documents of one reader spec in a deterministic order (sorted paths, then rows), the
-    number of files they came from, and every path not read with its reason."""
-    if spec.kind in _SOURCE_KINDS:
-        scan = scan_documents(SourceSpec(kind=spec.kind, paths=spec.paths, field=spec.field, name=spec.name))
-    else:
-        scan = _code_dir_documents(spec) if spec.kind == "code_dir" else _parquet_documents(spec)
-    if not scan.documents:
+    number of files they came from, and every path not read with its reason.
+
+    With progress, says on stderr what it reads: files read so far for `code_dir` and `parquet`;
+    the other kinds are read in one call of the training sources' reader, so their count comes at
+    the end."""
+    with Progress(f"read {spec.name}", None, "files", progress) as bar:
+        if spec.kind in _SOURCE_KINDS:
+            source = SourceSpec(kind=spec.kind, paths=spec.paths, field=spec.field, name=spec.name)
+            scan = scan_documents(source)
+            bar.update(scan.files_read)
+        else:
+            read = _code_dir_documents if spec.kind == "code_dir" else _parquet_documents
+            scan = read(spec, bar)
         skips = describe_skips(scan.skipped)
+        bar.close(f"{len(scan.documents):,} documents" + (f" (skipped: {skips})" if skips else ""))
+    if not scan.documents:
         raise DataSourceError(
             f"source {spec.name!r} has no non-empty documents" + (f" (skipped: {skips})" if skips else "")
         )
@@ -168,12 +182,13 @@ class SourcesRead:
     files_read: dict[str, int]
 
 
-def scan_sources(specs: Sequence[ReaderSpec]) -> SourcesRead:
-    """Every source's documents, skipped paths and file counts (see SourcesRead)."""
+def scan_sources(specs: Sequence[ReaderSpec], progress: bool = False) -> SourcesRead:
+    """Every source's documents, skipped paths and file counts (see SourcesRead); with progress,
+    what each source is reading, on stderr (scan_source)."""
     seen: dict[str, int] = {}
     documents, skipped, files_read = [], [], {}
     for spec in specs:
-        scan = scan_source(spec)
+        scan = scan_source(spec, progress)
         for document in scan.documents:
             count = seen[document.doc_id] = seen.get(document.doc_id, 0) + 1
             if count > 1:

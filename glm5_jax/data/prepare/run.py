@@ -3,9 +3,12 @@
 summary.png, review.md.
 
 Bracketed steps run per document batch on the executor; the rest runs here, over all documents in
-input order (dedup keeps the first of each group). The difficulty stage (only with a
-difficulty.checkpoint) scores the kept documents under a reference model, here in the driver
-(glm5_jax/data/prepare/difficulty.py). Outputs in the directory:
+input order (dedup keeps the first of each group). Between near dedup and the filters, a missing
+level-2 model is trained, unless no document left would be scored (none of quality.domains passes
+the rules): then level 2 is skipped with a message, as when its labelled data cannot be built.
+Each phase reports what it is doing on stderr (glm5_jax/data/prepare/progress.py). The difficulty
+stage (only with a difficulty.checkpoint) scores the kept documents under a reference model, here
+in the driver (glm5_jax/data/prepare/difficulty.py). Outputs in the directory:
     data-*.array_record   the kept documents (glm5_jax/data/prepare/writer.py)
     stats.json            counts per stage and rule, duplicates, domain shares, kept fraction, timing
     decisions.jsonl       one line per input document: kept, or the stage and reason that dropped it
@@ -23,6 +26,7 @@ import functools
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,10 +34,12 @@ from typing import Any
 from glm5_jax.data.prepare.config import PrepareSettings
 from glm5_jax.data.prepare.dedup import exact_duplicates, near_duplicates
 from glm5_jax.data.prepare.difficulty import check_reference, score_texts, summarise
-from glm5_jax.data.prepare.quality import ensure_model
+from glm5_jax.data.prepare.domains import tag_domain
+from glm5_jax.data.prepare.progress import say
+from glm5_jax.data.prepare.quality import TrainingDataError, ensure_model
 from glm5_jax.data.prepare.readers import SourcesRead, scan_sources
 from glm5_jax.data.prepare.review import ReviewSampler
-from glm5_jax.data.prepare.rules import RULE_NAMES
+from glm5_jax.data.prepare.rules import RULE_NAMES, failed_rule
 from glm5_jax.data.prepare.stages import analyse_batch, filter_batch
 from glm5_jax.data.prepare.stats import PipelineStats, plot_summary, write_stats
 from glm5_jax.data.prepare.writer import DIFFICULTY_FIELD, SHARD_SUFFIX, write_shards
@@ -78,8 +84,9 @@ def _run_batches(executor, function, items: Sequence[Any], size: int, desc: str)
 class _Run:
     """One run's driver-side state: the documents, their counts, the review sample and each fate."""
 
-    def __init__(self, settings: PrepareSettings, read: SourcesRead, review: int):
+    def __init__(self, settings: PrepareSettings, read: SourcesRead, review: int, progress: bool):
         self.settings = settings
+        self.progress = progress  # report each phase's count on stderr (progress.py)
         self.documents = read.documents  # [(source name, Document)], input order
         self.skipped = read.skipped  # [(source name, SkippedFile)]: the paths not read
         self.stats = PipelineStats(_REASONS)
@@ -91,6 +98,7 @@ class _Run:
         self.worker_seconds: dict[str, float] = {}
         self.duplicates: dict[str, dict[str, Any]] = {}
         self.kept: list[int] = []  # indices of the written records' documents, in order
+        self.quality_skipped: str | None = None  # why level 2 did not run: off, nothing_to_score, ...
 
     def _keep(self, stage: str, index: int, tokens_in: int, tokens_out: int, text: str, note: str) -> None:
         self.stats.passed(stage, tokens_in, tokens_out)
@@ -107,7 +115,8 @@ class _Run:
             analyse_batch, dedup=self.settings.dedup, tokenizer_path=self.settings.tokenizer_path
         )
         texts = [document.text for _, document in self.documents]
-        self.analysed, seconds = _run_batches(executor, analyse, texts, self.settings.batch_docs, "normalise")
+        desc = "normalise + dedup keys"
+        self.analysed, seconds = _run_batches(executor, analyse, texts, self.settings.batch_docs, desc)
         self.worker_seconds.update(seconds)
         alive = []
         for index, item in enumerate(self.analysed):
@@ -124,7 +133,7 @@ class _Run:
         if stage == "exact_dedup" and dedup.exact:
             matches = exact_duplicates([self.analysed[i].content_hash for i in alive])
         elif stage == "near_dedup" and dedup.near:
-            matches = near_duplicates([self.analysed[i].signature for i in alive], dedup)
+            matches = near_duplicates([self.analysed[i].signature for i in alive], dedup, self.progress)
         else:
             matches = [None] * len(alive)
         survivors = []
@@ -152,6 +161,52 @@ class _Run:
         }
         return survivors
 
+    def unscored_domains(self, alive: list[int]) -> Counter | None:
+        """None when level 2 would score one of the alive documents (its domain is one of
+        quality.domains and it passes the rules, the test filter_batch applies before scoring; the
+        first such document ends the search); else the alive documents' domains, counted."""
+        settings = self.settings
+        domains: Counter = Counter()
+        for index in alive:
+            doc_id, text = self.documents[index][1].doc_id, self.analysed[index].text
+            domain = tag_domain(doc_id, text)  # a .py, .c, ... or .rst id decides without the text
+            if domain in settings.quality.domains:
+                if failed_rule(text, domain, settings.text_rules, settings.code_rules) is None:
+                    return None
+            domains[domain] += 1
+        return domains
+
+    def quality_model(self, alive: list[int]) -> str | None:
+        """The level-2 model's path, trained first when the file is missing; None when level 2 does not
+        run, `quality_skipped` saying why: "off" (model_path ""), "nothing_to_score" (the model is
+        missing and no alive document would be scored: training it would only cost time) or
+        "no_training_data" (it is missing and its labelled data cannot be built)."""
+        quality = self.settings.quality
+        if not quality.model_path:
+            self.quality_skipped = "off"
+            return None
+        path = Path(quality.model_path).expanduser()
+        if not path.is_file():
+            domains = self.unscored_domains(alive)
+            if domains is not None:
+                counts = ", ".join(f"{domain} {count:,}" for domain, count in domains.most_common())
+                say(
+                    f"quality: not training the classifier: none of the {len(alive):,} documents left "
+                    f"after dedup ({counts or 'none'}) is of quality.domains ({', '.join(quality.domains)}) "
+                    f"and passes the rules, so it would score nothing; level 2 skipped, {path} not written"
+                )
+                self.quality_skipped = "nothing_to_score"
+                return None
+        # The demo trains on its own sources: the documents read already, not a second read.
+        own = quality.positive_sources == self.settings.sources
+        documents = [document for _, document in self.documents] if own else None
+        try:
+            return ensure_model(quality, self.settings.seed, documents, self.progress)
+        except TrainingDataError as error:
+            say(f"quality: level 2 skipped, the classifier cannot be trained: {error}")
+            self.quality_skipped = "no_training_data"
+            return None
+
     def filter(self, executor, alive: list[int], quality_model: str | None) -> list[dict[str, Any]]:
         """Rules, quality and cleaning of the alive documents; returns the records to write."""
         settings = self.settings
@@ -166,7 +221,8 @@ class _Run:
             tokenizer_path=settings.tokenizer_path,
         )
         items = [(self.documents[i][1].doc_id, self.analysed[i].text) for i in alive]
-        filtered, seconds = _run_batches(executor, function, items, settings.batch_docs, "filter")
+        desc = f"filter (domain, rules, {'quality, ' if quality_model else ''}cleaning)"
+        filtered, seconds = _run_batches(executor, function, items, settings.batch_docs, desc)
         self.worker_seconds.update(seconds)
         self.scored = sum(result.quality is not None for result in filtered)
         records = []
@@ -197,11 +253,11 @@ class _Run:
                 )
         return records
 
-    def difficulty(self, records: list[dict[str, Any]], progress: bool) -> dict[str, Any]:
+    def difficulty(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Scores the records under the reference model, adding `difficulty` to each record and its
         decision; returns stats.json's `difficulty` section."""
         settings = self.settings.difficulty
-        scores = score_texts([record["text"] for record in records], settings, progress)
+        scores = score_texts([record["text"] for record in records], settings, self.progress)
         for index, record, value in zip(self.kept, records, scores.bits_per_byte.tolist(), strict=True):
             record[DIFFICULTY_FIELD] = value
             self.fates[index][DIFFICULTY_FIELD] = value
@@ -255,8 +311,7 @@ def prepare(
 
     if settings.difficulty.checkpoint:
         check_reference(settings.difficulty)  # a bad path fails now, not after the filters
-    run = _Run(settings, scan_sources(settings.sources), review)
-    quality_model = ensure_model(settings.quality, settings.seed)
+    run = _Run(settings, scan_sources(settings.sources, executor.progress), review, executor.progress)
     lap("read")
     alive = run.normalise(executor)
     lap("normalise")
@@ -264,13 +319,15 @@ def prepare(
     lap("exact_dedup")
     alive = run.dedup("near_dedup", alive)
     lap("near_dedup")
+    quality_model = run.quality_model(alive)  # after dedup: trained only when it will score something
+    lap("quality_model")
     records = run.filter(executor, alive, quality_model)
     lap("filter")
     difficulty = None
     if settings.difficulty.checkpoint:
-        difficulty = run.difficulty(records, executor.progress)
+        difficulty = run.difficulty(records)
         lap("difficulty")
-    shards = write_shards(records, output, settings.docs_per_shard)
+    shards = write_shards(records, output, settings.docs_per_shard, executor.progress)
     run.write_decisions(output)
     lap("write")
 
@@ -291,6 +348,7 @@ def prepare(
             "threshold": settings.quality.threshold,
             "domains": list(settings.quality.domains),
             "scored": run.scored,
+            "skipped": run.quality_skipped,
         },
         difficulty=difficulty,
         token_unit=f"tokenizer {settings.tokenizer_path}" if settings.tokenizer_path else "whitespace words",

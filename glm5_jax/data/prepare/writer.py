@@ -21,6 +21,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from glm5_jax.data.prepare.progress import Progress
+
 SHARD_SUFFIX = ".array_record"
 DIFFICULTY_FIELD = "difficulty"  # optional per-record score read by glm5_jax/data/schedule.py
 _WRITER_OPTIONS = "group_size:1"  # one record per chunk: random access reads only that record
@@ -39,9 +41,10 @@ def decode_record(data: bytes) -> dict[str, Any]:
 
 
 def write_shards(
-    records: Sequence[dict[str, Any]], output: str | os.PathLike, docs_per_shard: int
+    records: Sequence[dict[str, Any]], output: str | os.PathLike, docs_per_shard: int, progress: bool = False
 ) -> list[str]:
-    """Writes the records into ceil(len / docs_per_shard) shards (at least one, maybe empty).
+    """Writes the records into ceil(len / docs_per_shard) shards (at least one, maybe empty); with
+    progress, the records written so far on stderr (glm5_jax/data/prepare/progress.py).
 
     Returns:
         the shard file names, in order.
@@ -50,13 +53,15 @@ def write_shards(
 
     count = max(1, -(-len(records) // docs_per_shard))
     names = []
-    for index in range(count):
-        name = shard_name(index, count)
-        writer = ArrayRecordWriter(str(Path(output) / name), _WRITER_OPTIONS)
-        for record in records[index * docs_per_shard : (index + 1) * docs_per_shard]:
-            writer.write(encode_record(record))
-        writer.close()
-        names.append(name)
+    with Progress("write shards", len(records), "records", progress) as bar:
+        for index in range(count):
+            name = shard_name(index, count)
+            writer = ArrayRecordWriter(str(Path(output) / name), _WRITER_OPTIONS)
+            for record in records[index * docs_per_shard : (index + 1) * docs_per_shard]:
+                writer.write(encode_record(record))
+                bar.update()
+            writer.close()
+            names.append(name)
     return names
 
 
