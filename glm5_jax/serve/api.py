@@ -63,7 +63,7 @@ from glm5_jax.serve.reasoning import REASONING_PARSERS, ReasoningParser, starts_
 from glm5_jax.serve.server_config import ApiKey, ServerConfig
 from glm5_jax.serve.textstream import Piece
 from glm5_jax.serve.tool_calls import ToolCallParser
-from glm5_jax.serve.types import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams
+from glm5_jax.serve.types import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams, shown
 
 MAX_COMPLETION_LOGPROBS = 5  # the OpenAI limit for /v1/completions; chat allows top_logprobs up to 20
 MAX_CHOICES = 16  # n; each choice is an engine request of its own
@@ -261,7 +261,7 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     def check_model(model: str | None) -> None:
         if model is not None and model not in names:
             served = ", ".join(repr(name) for name in names)
-            raise APIError(404, f"The model {model!r} does not exist; this server serves {served}",
+            raise APIError(404, f"The model {shown(model)} does not exist; this server serves {served}",
                            "model", "model_not_found")
 
     def check_token_ids(token_ids, param: str) -> None:

@@ -22,7 +22,7 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from glm5_jax.serve.types import InvalidRequestError
+from glm5_jax.serve.types import InvalidRequestError, shown
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -125,7 +125,7 @@ def message_text(content: Any, where: str) -> str:
         else:
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             raise InvalidRequestError(
-                f"{where}[{index}] has type {kind!r}; only text parts ({{'type': 'text', 'text': ...}}) "
+                f"{where}[{index}] has type {shown(kind)}; only text parts ({{'type': 'text', 'text': ...}}) "
                 "are supported")
     return "".join(texts)
 
@@ -157,7 +157,7 @@ class ChatRenderer:
             if message.get("content") is None and message.get("role") != "assistant":
                 # Only an assistant turn that just calls tools may have no content.
                 raise InvalidRequestError(f"messages[{index}].content is required for role "
-                                          f"{message.get('role')!r}")
+                                          f"{shown(message.get('role'))}")
             message["content"] = message_text(message.get("content"), f"messages[{index}].content")
             if message.get("tool_calls"):
                 message["tool_calls"] = [_parsed_arguments(call) for call in message["tool_calls"]]
@@ -197,7 +197,7 @@ def _glm5_tool_call(call: Mapping[str, Any]) -> str:
     call = call.get("function") or call
     if not isinstance(call.get("arguments") or {}, Mapping):
         raise InvalidRequestError("messages: tool_calls[].function.arguments must be a JSON object, "
-                                  f"got {call.get('arguments')!r}")
+                                  f"got {shown(call.get('arguments'))}")
     values = {k: v if isinstance(v, str) else _tojson(v) for k, v in (call.get("arguments") or {}).items()}
     arguments = "".join(f"<arg_key>{key}</arg_key><arg_value>{v}</arg_value>" for key, v in values.items())
     return f"<tool_call>{call.get('name', '')}{arguments}</tool_call>"
@@ -248,7 +248,7 @@ def render_glm5(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mappin
                 parts.append("<|observation|>")
             parts.append(f"<tool_response>{text}</tool_response>")
         else:
-            raise InvalidRequestError(f"role must be system, user, assistant or tool, got {role!r}")
+            raise InvalidRequestError(f"role must be system, user, assistant or tool, got {shown(role)}")
         previous_role = role
     if add_generation_prompt:
         parts.append("<|assistant|>" + ("<think>" if enable_thinking else "</think>"))

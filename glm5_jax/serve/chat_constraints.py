@@ -28,7 +28,7 @@ from typing import Any
 
 from glm5_jax.serve.reasoning import THINK_END
 from glm5_jax.serve.tool_calls import CALL_END, CALL_START
-from glm5_jax.serve.types import Constraint, InvalidRequestError
+from glm5_jax.serve.types import Constraint, InvalidRequestError, shown
 
 _META = frozenset("\\.^$|?*+()[]{}")
 # OpenAI's rule (letters, digits, "_", "-"; at most 64) plus "." and ":" (MCP-style names): no
@@ -77,7 +77,7 @@ def plan_tools(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_call
                                              "{'name': ..., 'parameters': {...}}}")
         if not _FUNCTION_NAME.fullmatch(function["name"]):
             raise InvalidFieldError("tools", f"tools[{index}].function.name must be 1 to 64 letters, digits, "
-                                             f"'_', '-', '.' or ':', got {function['name'][:80]!r}")
+                                             f"'_', '-', '.' or ':', got {shown(function['name'])}")
         names.append(function["name"])
     choice = tool_choice if tool_choice is not None else ("auto" if names else "none")
     if isinstance(choice, Mapping):
@@ -87,7 +87,7 @@ def plan_tools(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_call
             raise InvalidFieldError("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
                                                    "{'type': 'function', 'function': {'name': ...}}")
         if name not in names:
-            raise InvalidFieldError("tool_choice", f"tool_choice names the function {name!r}, which is "
+            raise InvalidFieldError("tool_choice", f"tool_choice names the function {shown(name)}, which is "
                                                    f"not in tools ({', '.join(names) or 'none given'})")
         forced = (name,)
     elif choice in ("none", "auto", "required"):
@@ -96,7 +96,7 @@ def plan_tools(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_call
         forced = tuple(names) if choice == "required" else ()
     else:
         raise InvalidFieldError("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a "
-                                               f"function, got {choice!r}")
+                                               f"function, got {shown(choice)}")
     if choice == "none" or not names:
         return ToolPlan()
     max_calls = 1 if parallel_tool_calls is False or isinstance(choice, Mapping) else None
@@ -174,7 +174,7 @@ def response_format_constraint(response_format: Mapping[str, Any] | None,
                                                        "schema object")
         return Constraint("json_schema", json.dumps(schema, ensure_ascii=False), after)
     raise InvalidFieldError("response_format", "response_format: type must be 'text', 'json_object' or "
-                                               f"'json_schema', got {kind!r}")
+                                               f"'json_schema', got {shown(kind)}")
 
 
 def output_constraint(plan: ToolPlan, response_format: Mapping[str, Any] | None,

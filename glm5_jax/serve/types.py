@@ -7,6 +7,13 @@ import dataclasses
 MAX_TOP_LOGPROBS = 20
 
 
+def shown(value, limit: int = 64) -> str:
+    """repr(value) for an error message, cut to `limit` characters: a client's 1 MB value is not
+    echoed back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class InvalidRequestError(ValueError):
     """A request parameter is out of range; the message names the parameter."""
 
@@ -91,7 +98,7 @@ class SamplingParams:
 
         def require(condition: bool, name: str, message: str) -> None:
             if not condition:
-                raise InvalidRequestError(f"{name} {message}, got {getattr(self, name)!r}")
+                raise InvalidRequestError(f"{name} {message}, got {shown(getattr(self, name))}")
 
         least = 0 if self.prompt_logprobs is not None else 1
         require(isinstance(self.max_tokens, int) and self.max_tokens >= least, "max_tokens",
