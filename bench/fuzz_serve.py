@@ -28,6 +28,7 @@ import asyncio
 import collections
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -331,6 +332,7 @@ def print_summary(summary: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops serve.py
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="fuzz-serve-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as checkpoint:

@@ -107,9 +107,9 @@ def body_schemas(target: Target) -> dict[str, dict]:
     role = ChatRequest.model_json_schema()["$defs"]["ChatMessage"]["properties"]["role"]
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": text}}
-    content = {"anyOf": [text, null, {"type": "array", "maxItems": 2, "items": part}]}
-    messages = {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-        "type": "object", "required": ["role"], "properties": {"role": role, "content": content}}}
+    content = {"anyOf": [text, {"type": "array", "minItems": 1, "maxItems": 2, "items": part}]}
+    messages = {"type": "array", "minItems": 1, "maxItems": 3, "items": {  # null content: a mutation
+        "type": "object", "required": ["role", "content"], "properties": {"role": role, "content": content}}}
     city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     tool_name = {"enum": list(TOOL_NAMES)}
     tool = {"type": "object", "required": ["type", "function"], "properties": {
@@ -122,7 +122,7 @@ def body_schemas(target: Target) -> dict[str, dict]:
                {"type": "json_schema", "json_schema": {"name": "city", "schema": city}}]
     model = {"anyOf": [{"enum": [target.model_id, *target.aliases]}, null, text]}
     common = {
-        "model": model, "max_tokens": _nullable(_integer(0, 8)), "n": _nullable(_integer(1, 3)),
+        "model": model, "max_tokens": _nullable(_integer(1, 8)), "n": _nullable(_integer(1, 3)),
         "temperature": unit, "top_p": unit, "min_p": unit, "repetition_penalty": unit,
         "presence_penalty": unit, "frequency_penalty": unit, "top_k": _nullable(_integer(-1, 50)),
         "stop": {"anyOf": [{"type": "string", "maxLength": 3},
@@ -138,6 +138,7 @@ def body_schemas(target: Target) -> dict[str, dict]:
                          {"type": "array", "items": ids, "minItems": 1, "maxItems": 3}]}
     narrowed = {
         "/v1/completions": {**common, "prompt": prompts, "logprobs": _nullable(_integer(-1, 6)),
+                            "max_tokens": _nullable(_integer(0, 8)),  # 0: scoring with echo + logprobs
                             "best_of": _nullable(_integer(0, 2)),
                             "suffix": {"anyOf": [{"const": ""}, null, text]}},
         "/v1/chat/completions": {

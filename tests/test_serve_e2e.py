@@ -150,14 +150,11 @@ def test_config_aliases_limits_cached_tokens_and_metrics(server):
 
 # ---------------------------------------------------------------- fuzzing (issue 37)
 # Generated requests (tests/fuzz_requests.py) against this module's server, at a small budget;
-# bench/fuzz_serve.py sends thousands (docs/serving.md, "Fuzzing"). OPEN_CASES: issue 37's
-# reproducers this server still answers wrongly. Their tests are strict xfails, so a fix shows as
-# a failing XPASS until its entry is deleted here; while any is open, the generated test is
-# expected to fail on them too.
-OPEN_CASES = {
-    "huge_model_name": "the 404 for an unknown model echoes a 1 MB model name back",
-    "huge_tool_choice": "the 400 for an unknown tool_choice echoes a 100 kB value back",
-}
+# bench/fuzz_serve.py sends thousands (docs/serving.md, "Fuzzing"). OPEN_CASES: the named hostile
+# cases (fuzz_requests.known_cases) this server still answers wrongly. Their tests are strict
+# xfails, so a fix shows as a failing XPASS until its entry is deleted here. The generated test
+# can draw them too (rarely: a mutation to a 100 kB string), and then fails.
+OPEN_CASES: dict[str, str] = {}  # case name -> why it still fails (issue 37's item)
 FUZZ_EXAMPLES = 80
 FUZZ_TIMEOUT = 60  # seconds for one whole answer; a first request of a kind may compile for ~10 s
 
@@ -220,7 +217,6 @@ def test_issue37_case_answered_as_documented(server, server_output, name, reques
     assert fuzz_requests.problems(case, outcome, idle=True) == [], (outcome.status, outcome.content[:300])
 
 
-@pytest.mark.xfail(condition=bool(OPEN_CASES), reason="issue 37's open cases (OPEN_CASES) are generated too")
 def test_fuzzed_requests_get_documented_answers(server, server_output):
     """FUZZ_EXAMPLES generated requests, one at a time (so a 503 is never right): none gets an
     undocumented 5xx, hangs or a wrong answer (fuzz_requests.problems); then /health is 200 and the
