@@ -7,6 +7,7 @@ code -> explanation, signatures), rendered in the GLM-5 chat format.
 
 The chat set is written on first use to ~/.cache/glm5_jax/stdlib_chat.jsonl; 10% of its
 conversations are held out, and val_loss is their assistant tokens' loss (docs/finetuning.md).
+Peak memory: 6.4 GB resident, 2.9 GB with --noreuse_host_memory (docs/finetuning.md, "Memory").
 """
 
 import ml_collections
