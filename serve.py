@@ -258,6 +258,8 @@ def serve_until_failure(server, engine, poll_seconds: float = 0.5) -> str | None
 def mesh_shardings(text: str, placed: dict, config, params=None):
     """The served weights' shardings (shaped like `params`, float weights when None) on the mesh
     `text` names; the mesh goes into placed["mesh"]."""
+    from glm5_jax.model.config import mesh_requirements
+    from glm5_jax.model.transformer import param_logical_axes
     from glm5_jax.parallel.mesh import MeshError, MeshSpec, make_mesh
     from glm5_jax.parallel.sharding import serving_param_shardings
 
@@ -266,8 +268,8 @@ def mesh_shardings(text: str, placed: dict, config, params=None):
         if spec.pipeline != 1 or spec.fsdp != 1 or spec.context != 1:
             raise MeshError(f"--mesh {text}: serving splits over tensor, expert and data only "
                             "(no pipeline, fsdp or context axis)")
-        placed["mesh"] = make_mesh(spec, config)
-    return serving_param_shardings(config, placed["mesh"], params)
+        placed["mesh"] = make_mesh(spec, mesh_requirements(config))
+    return serving_param_shardings(param_logical_axes(config), placed["mesh"], params)
 
 
 def main(argv=None) -> int:

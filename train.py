@@ -63,6 +63,7 @@ from glm5_jax.data.schedule import schedule_from_config
 from glm5_jax.data.tokenizer import tokenizer_cache_path
 from glm5_jax.host_memory import reuse_freed_memory
 from glm5_jax.model import ConfigError, ModelConfig, init_params
+from glm5_jax.model.config import mesh_requirements
 from glm5_jax.model.count import count_params
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.parallel import sharding as sharding_lib
@@ -192,7 +193,7 @@ def main(argv):
         # config.mesh (optional): axis sizes; config.sharding_rules: logical axis overrides.
         mesh = None
         if "mesh" in config:
-            mesh = make_mesh(MeshSpec.from_dict(config.mesh), model_config)
+            mesh = make_mesh(MeshSpec.from_dict(config.mesh), mesh_requirements(model_config))
             rules = sharding_lib.make_rules(config.get("sharding_rules"))
             if settings.batch_size % jax.process_count():
                 raise ValueError(f"batch_size={settings.batch_size} must divide over "

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     import jax
 
     from glm5_jax.config_files import load_execution_options, load_model_config, split_overrides
-    from glm5_jax.model.config import ConfigError
+    from glm5_jax.model.config import ConfigError, mesh_requirements
     from glm5_jax.model.count import count_params
     from glm5_jax.parallel import collectives, sharding
     from glm5_jax.parallel.mesh import make_mesh
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
             {k: v for k, v in overrides.items() if k not in train_fields or k == "dsa_stage"})
         config = load_model_config(args.config, **model_overrides)
         options = load_execution_options(args.config, **execution_overrides)
-        mesh = make_mesh(spec, config, jax.devices()[:devices])
+        mesh = make_mesh(spec, mesh_requirements(config), jax.devices()[:devices])
         systems = [name for name in args.links.split(",") if name]
         unknown = [name for name in systems if name not in collectives.SYSTEMS]
         if unknown:
@@ -327,7 +327,7 @@ def _plan_serve(args, config, options, mesh, rules):
         paged_step,
         serving_layout,
     )
-    from glm5_jax.model.transformer import param_shapes
+    from glm5_jax.model.transformer import param_logical_axes, param_shapes
     from glm5_jax.parallel import collectives, sharding
     from glm5_jax.quant import load_recipe, quantize_params
 
@@ -341,7 +341,7 @@ def _plan_serve(args, config, options, mesh, rules):
     if args.quantize:
         recipe = load_recipe(args.quantize)
         params = jax.eval_shape(lambda p: quantize_params(p, recipe), params)
-    params_sharding = sharding.serving_param_shardings(config, mesh, params)
+    params_sharding = sharding.serving_param_shardings(param_logical_axes(config), mesh, params)
     params_in = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                              params, params_sharding)
     params_in = serving_layout(config, params_in, options)  # as the engine's runner holds them

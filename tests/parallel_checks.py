@@ -24,7 +24,9 @@ import numpy as np  # noqa: E402
 from reference import random_params  # noqa: E402
 
 from glm5_jax.config_files import load_model_config  # noqa: E402
+from glm5_jax.model.config import mesh_requirements  # noqa: E402
 from glm5_jax.model.options import ExecutionOptions  # noqa: E402
+from glm5_jax.model.transformer import param_logical_axes  # noqa: E402
 from glm5_jax.parallel import sharding  # noqa: E402
 from glm5_jax.parallel.local import run_local  # noqa: E402
 from glm5_jax.parallel.mesh import MeshSpec, make_mesh  # noqa: E402
@@ -87,8 +89,8 @@ def main(meshes):
         config, options = CONFIG, OPTIONS
         if variant.startswith("cf="):
             options = OPTIONS.replace(expert_capacity_factor=float(variant[3:]))
-        mesh = make_mesh(MeshSpec.parse(text), config)
-        param_shardings = sharding.param_shardings(config, mesh)
+        mesh = make_mesh(MeshSpec.parse(text), mesh_requirements(config))
+        param_shardings = sharding.param_shardings(param_logical_axes(config), mesh)
         batch_sharding = sharding.batch_sharding(mesh)
         placed_batch = jax.device_put(batch, batch_sharding)
         result = {"mesh": text, "variant": variant}
@@ -96,7 +98,7 @@ def main(meshes):
             options = OPTIONS.replace(attention_impl="pallas", indexer_impl="pallas", moe_impl="pallas")
             grad_fn = jax.value_and_grad(make_loss_fn(config, SETTINGS, options), has_aux=True)
             (want, _), want_grads = jax.jit(grad_fn)(params, batch)
-            shardings = sharding.param_shardings(config, mesh)
+            shardings = sharding.param_shardings(param_logical_axes(config), mesh)
             with sharding.activate(mesh, sharding.DEFAULT_RULES):
                 compiled = jax.jit(grad_fn, in_shardings=(shardings, batch_sharding)).lower(
                     jax.device_put(params, shardings), placed_batch).compile()
@@ -108,7 +110,7 @@ def main(meshes):
         elif variant == "ragged":
             options = OPTIONS.replace(expert_dispatch="ragged_all_to_all", moe_impl="ragged")
             abstract = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
-                                    sharding.param_shardings(config, mesh))
+                                    sharding.param_shardings(param_logical_axes(config), mesh))
             ragged_grad = jax.value_and_grad(make_loss_fn(config, SETTINGS, options), has_aux=True)
             with sharding.activate(mesh, sharding.DEFAULT_RULES):
                 lowered = jax.jit(ragged_grad).trace(abstract, placed_batch).lower().as_text()

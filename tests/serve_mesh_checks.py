@@ -33,7 +33,9 @@ from reference import perturbed_params  # noqa: E402
 import glm5_jax  # noqa: E402
 from glm5_jax.checkpoint.hf_io import save_pretrained  # noqa: E402
 from glm5_jax.config_files import load_model_config  # noqa: E402
+from glm5_jax.model.config import mesh_requirements  # noqa: E402
 from glm5_jax.model.options import ExecutionOptions  # noqa: E402
+from glm5_jax.model.transformer import param_logical_axes  # noqa: E402
 from glm5_jax.parallel.mesh import MeshSpec, make_mesh  # noqa: E402
 from glm5_jax.parallel.sharding import serving_param_shardings  # noqa: E402
 from glm5_jax.runs import load_any  # noqa: E402
@@ -95,7 +97,8 @@ def main(meshes: list[str]) -> None:
             mesh, shardings = None, None
             if text != "1":
                 def shardings(config, params=None, text=text):
-                    return serving_param_shardings(config, make_mesh(MeshSpec.parse(text), config), params)
+                    mesh = make_mesh(MeshSpec.parse(text), mesh_requirements(config))
+                    return serving_param_shardings(param_logical_axes(config), mesh, params)
             config, params, _ = load_any(directory, quantize=recipe or None, shardings=shardings)
             if text == "1":  # the reference: the model's own forward on one device, no engine
                 tokens, logprobs = forward_chains(config, params, tokenizer)

@@ -231,6 +231,7 @@ def main():
     from reference import random_params
 
     from glm5_jax.config_files import load_model_config
+    from glm5_jax.model.config import mesh_requirements
     from glm5_jax.model.options import ExecutionOptions
     from glm5_jax.parallel import sharding
     from glm5_jax.parallel.mesh import MeshSpec, make_mesh
@@ -270,7 +271,7 @@ def main():
         sliding_window=4,
     )
     options = ExecutionOptions(moe_impl="dense")
-    mesh = make_mesh(MeshSpec.parse("data=8"), config)
+    mesh = make_mesh(MeshSpec.parse("data=8"), mesh_requirements(config))
     params = random_params(config, 0)
     ids = np.random.default_rng(0).integers(2, config.vocab_size, (16, 8)).astype(np.int32)
     batch = {

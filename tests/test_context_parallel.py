@@ -121,8 +121,9 @@ def main():
     from reference import random_params
 
     import kernels_pallas.sparse_attention as sparse_module
+    from glm5_jax.model.config import mesh_requirements
     from glm5_jax.model.options import ExecutionOptions
-    from glm5_jax.model.transformer import apply_model
+    from glm5_jax.model.transformer import apply_model, param_logical_axes
     from glm5_jax.parallel.mesh import make_mesh
     from glm5_jax.train.loss import language_model_losses
     from glm5_jax.train.settings import TrainSettings
@@ -178,8 +179,8 @@ def main():
         params[name] = random_params(model, 0)
         compiling[(name, "one device")] = pool.submit(
             jax.jit(program(model, options)).lower(params[name], batch).compile)
-        mesh = make_mesh(MeshSpec.parse(name.partition("@")[0]), model)
-        shardings = (sharding.param_shardings(model, mesh), sharding.batch_sharding(mesh))
+        mesh = make_mesh(MeshSpec.parse(name.partition("@")[0]), mesh_requirements(model))
+        shardings = (sharding.param_shardings(param_logical_axes(model), mesh), sharding.batch_sharding(mesh))
         with sharding.activate(mesh, sharding.DEFAULT_RULES):
             placed[name] = jax.device_put((params[name], batch), shardings)
             compiling[(name, "mesh")] = pool.submit(

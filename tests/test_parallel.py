@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from glm5_jax.model.config import mesh_requirements
 from glm5_jax.parallel import sharding
-from glm5_jax.parallel.mesh import MeshError, MeshSpec, check_model_fits
+from glm5_jax.parallel.mesh import MeshError, MeshSpec, check_divisible
 from glm5_jax.parallel.pipeline import bubble_fraction, default_microbatches
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,12 +111,14 @@ def test_mesh_sizes_fill_and_validate():
 
 def test_model_must_split_over_the_mesh(tiny_config):
     sizes = dict(pipeline=1, data=1, fsdp=1, expert=3, tensor=1)
+    requirements = mesh_requirements(tiny_config)
     with pytest.raises(MeshError, match="num_experts=8 is not divisible by the expert axis"):
-        check_model_fits(sizes, tiny_config)
-    with pytest.raises(MeshError, match="3 MoE layers cannot be split into 2"):
-        check_model_fits({**sizes, "expert": 1, "pipeline": 2}, tiny_config)
+        check_divisible(sizes, requirements)
+    with pytest.raises(MeshError, match="num_moe_layers=3 is not divisible by the pipeline axis"):
+        check_divisible({**sizes, "expert": 1, "pipeline": 2}, requirements)
     with pytest.raises(MeshError, match="num_heads=4 is not divisible by the tensor axis"):
-        check_model_fits({**sizes, "expert": 1, "tensor": 8}, tiny_config)
+        check_divisible({**sizes, "expert": 1, "tensor": 8}, requirements)
+    check_divisible({**sizes, "expert": 4}, requirements)  # 8 experts over 4
 
 
 def test_rules_overrides_are_checked():

@@ -223,3 +223,13 @@ def as_model_config(config) -> ModelConfig:
         f"get_config() returns), got {type(config).__name__}"
         + (" without a `model` section (for a bare model section use ModelConfig.from_dict)"
            if mapping else ""))
+
+
+def mesh_requirements(config: ModelConfig) -> dict[str, dict[str, int]]:
+    """What each mesh axis splits and must divide (glm5_jax.parallel.mesh.check_divisible): the
+    routed experts over expert, the MoE layers into equal pipeline stages, heads and hidden units
+    over tensor."""
+    return {"expert": {"num_experts": config.num_experts},
+            "pipeline": {"num_moe_layers": config.num_moe_layers},
+            "tensor": {"num_heads": config.num_heads, "moe_intermediate_size": config.moe_intermediate_size,
+                       "dense_intermediate_size": config.dense_intermediate_size}}

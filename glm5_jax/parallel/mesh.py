@@ -20,8 +20,6 @@ from typing import Any
 
 import jax
 
-from glm5_jax.model.config import ModelConfig
-
 MESH_AXES = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 
 
@@ -86,30 +84,25 @@ class MeshSpec:
         return sizes
 
 
-def check_model_fits(sizes: Mapping[str, int], config: ModelConfig) -> None:
-    """Raises MeshError when the model cannot be split over the mesh as asked."""
-    if config.num_experts % sizes["expert"]:
-        raise MeshError(f"num_experts={config.num_experts} is not divisible by the expert axis "
-                        f"({sizes['expert']})")
-    stages = sizes["pipeline"]
-    if stages > 1 and config.num_moe_layers % stages:
-        raise MeshError(f"the {config.num_moe_layers} MoE layers cannot be split into {stages} "
-                        "equal pipeline stages (num_layers - num_dense_layers must be divisible by "
-                        "the pipeline axis)")
-    tensor = sizes["tensor"]
-    for field in ("num_heads", "moe_intermediate_size", "dense_intermediate_size"):
-        if getattr(config, field) % tensor:
-            raise MeshError(f"{field}={getattr(config, field)} is not divisible by the tensor axis "
-                            f"({tensor})")
+def check_divisible(sizes: Mapping[str, int], requirements: Mapping[str, Mapping[str, int]]) -> None:
+    """Raises MeshError when a quantity is not divisible by the mesh axis it is split over.
+    requirements: {axis: {name: value}}, e.g. {"expert": {"num_experts": 8}} (the model's
+    `glm5_jax.model.config.mesh_requirements`)."""
+    for axis, quantities in requirements.items():
+        size = sizes[axis]
+        for name, value in quantities.items():
+            if size > 1 and value % size:
+                raise MeshError(f"{name}={value} is not divisible by the {axis} axis ({size})")
 
 
-def make_mesh(spec: MeshSpec, config: ModelConfig | None = None,
+def make_mesh(spec: MeshSpec, requirements: Mapping[str, Mapping[str, int]] | None = None,
               devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-    """A Mesh over `devices` (default: all) with axes MESH_AXES, validated against `config`."""
+    """A Mesh over `devices` (default: all) with axes MESH_AXES, checked against `requirements`
+    (check_divisible)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = spec.sizes(len(devices))
-    if config is not None:
-        check_model_fits(sizes, config)
+    if requirements is not None:
+        check_divisible(sizes, requirements)
     shape = tuple(sizes[name] for name in MESH_AXES)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
                          devices=devices)

@@ -29,8 +29,6 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from glm5_jax.model.config import ModelConfig
-from glm5_jax.model.transformer import param_logical_axes
 from glm5_jax.parallel.logical import AXIS_NAMES
 from glm5_jax.parallel.mesh import MESH_AXES
 from glm5_jax.quant.formats import QuantizedTensor
@@ -94,21 +92,22 @@ def logical_sharding(mesh: jax.sharding.Mesh, rules: Rules, axes: Sequence[str |
     return NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(axes), rules))
 
 
-def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES):
-    """NamedSharding for every parameter, from its logical axis names."""
-    specs = param_logical_axes(config)
+def param_shardings(logical_axes, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES):
+    """NamedSharding for every parameter, from its logical axis names (a tree of PartitionSpecs of
+    names: the model's `param_logical_axes(config)`)."""
+    specs = logical_axes
     return jax.tree.map(lambda spec: NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(spec), rules)),
                         specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def serving_param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, params=None):
+def serving_param_shardings(logical_axes, mesh: jax.sharding.Mesh, params=None):
     """Shardings of served weights (SERVING_RULES), shaped like `params` (arrays or
     ShapeDtypeStructs; None = float weights). A quantized weight (QuantizedTensor: values are
     [leading..., in, out] matrices) splits its values over the mesh axes of the weight's leading
     axes (layers, experts) and of its outermost contraction and output axes, so a split of the
     flattened axis keeps whole heads or hidden units together; its scales follow the leading
     axes and are otherwise whole (1/16384 of the values for 128x128 blocks)."""
-    weights = param_shardings(config, mesh, SERVING_RULES)
+    weights = param_shardings(logical_axes, mesh, SERVING_RULES)
     if params is None:
         return weights
 

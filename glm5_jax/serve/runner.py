@@ -35,6 +35,7 @@ from glm5_jax.model.paged_decode import (
     serving_layout,
     write_page,
 )
+from glm5_jax.model.transformer import param_logical_axes
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.sharding import SERVING_RULES, activate, replicated, serving_param_shardings
 from glm5_jax.serve.grammar import ALL_ALLOWED, apply_allowed_bits, bitmask_words
@@ -208,7 +209,7 @@ class ModelRunner:
         self.speculative_tokens = speculative_tokens
         self.mesh = mesh
         if mesh is not None:
-            params = jax.device_put(params, serving_param_shardings(config, mesh, params))
+            params = jax.device_put(params, serving_param_shardings(param_logical_axes(config), mesh, params))
         self.params = serving_layout(config, params, options)  # per-layer arrays when unrolled
         self.options = options
         self.max_slots = max_slots

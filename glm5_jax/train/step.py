@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.options import ExecutionOptions
-from glm5_jax.model.transformer import apply_model, param_shapes, sown_values
+from glm5_jax.model.transformer import apply_model, param_logical_axes, param_shapes, sown_values
 from glm5_jax.parallel import sharding
 from glm5_jax.parallel.logical import mesh_axes
 from glm5_jax.train.dpo import dpo_loss
@@ -162,7 +162,7 @@ def train_state_shardings(config: ModelConfig, optimizer: optax.GradientTransfor
                           options: ExecutionOptions | None = None) -> TrainState:
     """Where every part of the train state lives on `mesh`: params by their logical axes,
     optimizer moments like their params, the step counter replicated."""
-    params = sharding.param_shardings(config, mesh, rules)
+    params = sharding.param_shardings(param_logical_axes(config), mesh, rules)
     abstract = param_shapes(config, options=options)
     return TrainState(step=sharding.replicated(mesh), params=params,
                       opt_state=sharding.optimizer_state_shardings(optimizer, abstract, params, mesh))
@@ -285,7 +285,7 @@ def _check_replicas(config: ModelConfig, settings: TrainSettings, mesh, rules, r
     if rows % replicas or (settings.objective == "dpo" and (rows // replicas) % 2):
         raise ValueError(f"grad_reduce_dtype: the {rows} rows of a microbatch do not split into {replicas} "
                          "data replicas" + (" of whole pairs" if settings.objective == "dpo" else ""))
-    params = sharding.param_shardings(config, mesh, rules)
+    params = sharding.param_shardings(param_logical_axes(config), mesh, rules)
     specs = []
     for named in jax.tree.leaves(params):
         axes = {a for entry in named.spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))}
