@@ -97,6 +97,8 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 def pytest_runtest_logstart(nodeid, location):
     _phase_start.update(_compiled)
+    for progress in _progress:
+        progress.start(nodeid)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -153,6 +155,9 @@ class _Progress:
             self.reporter.write("\n")
         self.reporter.write_line(f"[{self.clock(time.monotonic() - self.started)}] {text}")
         self.last_line = time.monotonic()
+
+    def start(self, nodeid: str) -> None:
+        self.module_started.setdefault(nodeid.split("::")[0], time.monotonic())
 
     def report(self, report) -> None:
         module = report.nodeid.split("::")[0]
