@@ -205,7 +205,7 @@ def read_server_config(path: str | None):
 
 def open_feedback_log(directory: str | None):
     """The feedback log over DIR (None when not asked for); exits when DIR cannot be created or written."""
-    from glm5_jax.serve.feedback_log import FeedbackLog, FeedbackLogError
+    from glm5_jax.chat.feedback_log import FeedbackLog, FeedbackLogError
 
     if directory is None:
         return None
@@ -283,11 +283,11 @@ def main(argv=None) -> int:
     server_config = read_server_config(args.server_config)  # before the slow model load
     feedback_log = open_feedback_log(args.feedback_dir)
     # Imported here: loading JAX and the model is slow, and `--help` should not need it.
+    from glm5_jax.chat.template import load_chat_template, load_special_tokens
     from glm5_jax.model.config import ConfigError
     from glm5_jax.parallel.mesh import MeshError
     from glm5_jax.runs import RunNotFoundError, checkpoint_options, load_any
     from glm5_jax.serve.api import DEFAULT_MAX_BODY_BYTES, create_app
-    from glm5_jax.serve.chat import load_chat_template, load_special_tokens
     from glm5_jax.serve.engine import Engine, warm_up
     from glm5_jax.serve.http_server import make_server, raise_open_file_limit
     from glm5_jax.serve.metrics import ServerMetrics

@@ -159,7 +159,7 @@ def evaluate(eval_step, params, batches) -> dict[str, float]:
 
 def chat_renderer(workdir: Path):
     """The run's chat template (copied from init_from's checkpoint), else the built-in GLM-5 format."""
-    from glm5_jax.serve.chat import ChatRenderer, load_chat_template, load_special_tokens
+    from glm5_jax.chat.template import ChatRenderer, load_chat_template, load_special_tokens
 
     return ChatRenderer(load_chat_template(workdir), load_special_tokens(workdir))
 

@@ -33,7 +33,7 @@ import jsonschema
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
-from glm5_jax.serve.feedback_log import FeedbackRequest
+from glm5_jax.serve.feedback import FeedbackRequest
 from glm5_jax.serve.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,

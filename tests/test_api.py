@@ -17,8 +17,8 @@ import uvicorn
 from fake_engine import FakeEngine, make_tokenizer, running
 from glm_files import glm_data_dir
 
+from glm5_jax.chat.template import ChatRenderer, load_chat_template, load_special_tokens, render_glm5
 from glm5_jax.serve.api import create_app
-from glm5_jax.serve.chat import ChatRenderer, load_chat_template, load_special_tokens, render_glm5
 from glm5_jax.serve.metrics import ServerMetrics
 
 # One xdist worker runs this module, so its fixtures (a served fake engine) are built once.
@@ -551,7 +551,7 @@ def test_serve_execution_flags():
         "bfloat16", "pallas", None, None)
     with pytest.raises(SystemExit):
         serve.parse_args(["--decode-attention-impl", "triton"])
-    from glm5_jax.serve.reasoning import REASONING_PARSERS
+    from glm5_jax.chat.reasoning import REASONING_PARSERS
 
     assert serve.parse_args([]).reasoning_parser == "glm45"
     assert [serve.parse_args(["--reasoning-parser", p]).reasoning_parser for p in REASONING_PARSERS] == list(

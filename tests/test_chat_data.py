@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from glm_files import glm_data_dir, glm_tokenizer
 
+from glm5_jax.chat.template import ChatRenderer
 from glm5_jax.data import DataSourceError, Document, SourceSpec, make_train_iterator, make_validation_batches
 from glm5_jax.data.chat import ChatStatistics, chat_examples
 from glm5_jax.data.templated import stdlib_conversations
-from glm5_jax.serve.chat import ChatRenderer
 from glm5_jax.train.loss import language_model_losses
 
 TOOL_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

@@ -10,7 +10,9 @@ import re
 
 import pytest
 
-from glm5_jax.serve.chat import render_glm5
+from glm5_jax.chat.reasoning import ReasoningParser, starts_in_reasoning
+from glm5_jax.chat.template import render_glm5
+from glm5_jax.chat.tool_calls import ToolCall, ToolCallParser, function_schemas, parse_call
 from glm5_jax.serve.chat_constraints import (
     TEXT,
     InvalidFieldError,
@@ -22,8 +24,6 @@ from glm5_jax.serve.chat_constraints import (
     value_regex,
 )
 from glm5_jax.serve.chat_output import ChatOutput, message
-from glm5_jax.serve.reasoning import ReasoningParser, starts_in_reasoning
-from glm5_jax.serve.tool_calls import ToolCall, ToolCallParser, function_schemas, parse_call
 from glm5_jax.serve.types import Constraint
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

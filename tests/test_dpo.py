@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from glm_files import glm_tokenizer
 
+from glm5_jax.chat.template import ChatRenderer
 from glm5_jax.data import DataSourceError, Document, SourceSpec, make_train_iterator, make_validation_batches
 from glm5_jax.data.preference import preference_pairs
 from glm5_jax.data.templated import stdlib_conversations, wrong_answer_pairs
 from glm5_jax.model import ConfigError
-from glm5_jax.serve.chat import ChatRenderer
 from glm5_jax.train.dpo import dpo_loss
 from glm5_jax.train.settings import TrainSettings
 

@@ -15,11 +15,11 @@ import pytest
 from fake_engine import FakeEngine, make_tokenizer, running
 
 import serve
+from glm5_jax.chat.feedback_log import FeedbackLog, JsonlAppender, ReadReport, read_records
 from glm5_jax.data import feedback as export_cli
 from glm5_jax.data.chat import parse_conversation
 from glm5_jax.data.preference import parse_pair
 from glm5_jax.serve.api import create_app
-from glm5_jax.serve.feedback_log import FeedbackLog, JsonlAppender, ReadReport, read_records
 
 MODEL = "glm5-test"
 KEY = "sk-feedback-test"
@@ -129,7 +129,7 @@ def test_a_failing_log_never_breaks_an_answer(tmp_path, caplog):
             raise OSError(28, "No space left on device")
 
         log._appender.append = broken
-        with caplog.at_level(logging.ERROR, logger="glm5_jax.serve.feedback_log"):
+        with caplog.at_level(logging.ERROR, logger="glm5_jax.chat.feedback_log"):
             answer = client.post("/v1/chat/completions", json={"messages": ASK})
             chunks = streamed(client, "/v1/chat/completions", {"messages": ASK})
             log.flush()
@@ -242,7 +242,7 @@ def test_the_log_writes_any_text_and_reads_it_back(tmp_path, caplog):
               "choices": [{"index": 0, "content": f"x{LONE}", "finish_reason": "stop"}]}
     log.record_interaction(record)
     log.record_interaction({"type": "interaction", "id": "chatcmpl-bad", "choices": [object()]})  # not JSON
-    with caplog.at_level(logging.ERROR, logger="glm5_jax.serve.feedback_log"):
+    with caplog.at_level(logging.ERROR, logger="glm5_jax.chat.feedback_log"):
         log.flush()
     assert log.choices("chatcmpl-odd") == 1
     assert log.choices("chatcmpl-bad") is None and "could not write the record of chatcmpl-bad" in caplog.text

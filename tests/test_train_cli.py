@@ -18,12 +18,12 @@ import pytest
 from glm_files import glm_data_dir
 
 import glm5_jax
+from glm5_jax.chat.template import ChatRenderer
 from glm5_jax.checkpoint.hf_io import read_config
 from glm5_jax.data import SourceSpec, load_tokenizer, make_validation_batches
 from glm5_jax.data.templated import stdlib_conversations, wrong_answer_pairs
 from glm5_jax.model import ModelConfig
 from glm5_jax.runs import RunNotFoundError, load_run
-from glm5_jax.serve.chat import ChatRenderer
 from glm5_jax.train.checkpoints import step_problem
 
 ROOT = Path(__file__).resolve().parents[1]

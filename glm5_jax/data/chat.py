@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from glm5_jax.chat.template import ChatRenderer
 from glm5_jax.data.sources import DataSourceError, Document
 from glm5_jax.data.tokenizer import end_of_text_id
-from glm5_jax.serve.chat import ChatRenderer
-from glm5_jax.serve.types import InvalidRequestError
+from glm5_jax.errors import InvalidRequestError
 
 ROLES = ("system", "user", "assistant", "tool")
 Example = dict[str, np.ndarray]  # {"input_ids": int32 [T], "loss_mask": int32 [T]}

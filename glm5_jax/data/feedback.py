@@ -3,7 +3,7 @@
     python -m glm5_jax.data.feedback --input DIR --sft sft.jsonl --pairs dpo.jsonl \
         [--min-confidence C] [--min-rating R] [--stats stats.json]
 
-Reads every interaction and feedback record in DIR (glm5_jax/serve/feedback_log.py; truncated or
+Reads every interaction and feedback record in DIR (glm5_jax/chat/feedback_log.py; truncated or
 corrupt lines are skipped and counted), joins each answer choice with its ratings (the last one
 wins), de-identifies every text field (glm5_jax/data/deidentify.py) and grades:
 
@@ -48,8 +48,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from glm5_jax.chat.feedback_log import FILE_GLOB, LONE_SURROGATE, ReadReport, log_files, read_records
 from glm5_jax.data.deidentify import Deidentifier
-from glm5_jax.serve.feedback_log import FILE_GLOB, LONE_SURROGATE, ReadReport, log_files, read_records
 
 FINISHED = ("stop", "length", "tool_calls")
 DEFAULT_MIN_RATING = 0.5

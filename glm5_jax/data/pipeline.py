@@ -153,9 +153,9 @@ def _chat_examples(documents: Sequence[Document], spec: SourceSpec, tokenizer: T
                    renderer, statistics, required: bool = True) -> list:
     """The source's chat examples (chat_jsonl) or pairs (preference_jsonl), counted in `statistics`;
     with `required`, none is an error naming the source (training)."""
+    from glm5_jax.chat.template import ChatRenderer
     from glm5_jax.data.chat import ChatStatistics, chat_examples  # jinja2 only when chat data is used
     from glm5_jax.data.preference import preference_pairs
-    from glm5_jax.serve.chat import ChatRenderer
 
     build = preference_pairs if spec.kind == "preference_jsonl" else chat_examples
     examples, counts = build(documents, renderer or ChatRenderer(None), tokenizer, seq_len)
@@ -350,7 +350,7 @@ def make_train_iterator(
         seed: seeds the split and the per-epoch shuffles.
         validation_fraction: share of documents held out (must match make_validation_batches).
         shard_index, shard_count: this host's disjoint share of the training documents.
-        chat_renderer: a glm5_jax.serve.chat.ChatRenderer for chat_jsonl sources (None: the
+        chat_renderer: a glm5_jax.chat.template.ChatRenderer for chat_jsonl sources (None: the
             built-in GLM-5 format).
         chat_statistics: a glm5_jax.data.chat.ChatStatistics that counts the chat examples kept,
             truncated and skipped (optional).

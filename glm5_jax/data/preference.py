@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from glm5_jax.chat.template import ChatRenderer
 from glm5_jax.data.chat import (
     ChatStatistics,
     Example,
@@ -30,7 +31,6 @@ from glm5_jax.data.chat import (
     truncate,
 )
 from glm5_jax.data.sources import DataSourceError, Document
-from glm5_jax.serve.chat import ChatRenderer
 
 
 def _answer(value: Any, where: str) -> dict[str, Any]:

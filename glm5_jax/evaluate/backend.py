@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from glm5_jax.serve.engine import run_sync  # noqa: F401 (the backends' import)
+from glm5_jax.sync import run_sync  # noqa: F401 (the backends' import)
 
 T = TypeVar("T")
 

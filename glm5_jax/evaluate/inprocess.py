@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import jinja2
 import numpy as np
 
+from glm5_jax.chat.reasoning import ReasoningParser, starts_in_reasoning
+from glm5_jax.chat.template import ChatRenderer, load_chat_template, load_special_tokens
 from glm5_jax.evaluate.backend import GenerationRequest, GenerationResult, TokenPair, gather_bounded, run_sync
 from glm5_jax.model import ModelConfig, forward
 from glm5_jax.model.options import ExecutionOptions
-from glm5_jax.serve.chat import ChatRenderer, load_chat_template, load_special_tokens
-from glm5_jax.serve.reasoning import ReasoningParser, starts_in_reasoning
 from glm5_jax.serve.textstream import Generation
 from glm5_jax.serve.types import InvalidRequestError, SamplingParams
 

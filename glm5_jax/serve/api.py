@@ -31,8 +31,11 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from glm5_jax.chat.feedback_log import FeedbackLog
+from glm5_jax.chat.reasoning import REASONING_PARSERS, ReasoningParser, starts_in_reasoning
+from glm5_jax.chat.template import ChatRenderer
+from glm5_jax.chat.tool_calls import ToolCallParser
 from glm5_jax.serve.accounting import AccountedGeneration
-from glm5_jax.serve.chat import ChatRenderer
 from glm5_jax.serve.chat_constraints import (
     InvalidFieldError,
     output_constraint,
@@ -42,7 +45,7 @@ from glm5_jax.serve.chat_constraints import (
 from glm5_jax.serve.chat_output import ChatOutput, message
 from glm5_jax.serve.choices import Choices, respond
 from glm5_jax.serve.errors import APIError, add_error_handlers, shutting_down_error
-from glm5_jax.serve.feedback_log import FeedbackLog, FeedbackRequest, answer_feedback, recording
+from glm5_jax.serve.feedback import FeedbackRequest, answer_feedback, recording
 from glm5_jax.serve.limits import RateLimited, RateLimiter, Reservation
 from glm5_jax.serve.logprobs import (
     chat_logprobs,
@@ -59,10 +62,8 @@ from glm5_jax.serve.protocol import (
     SamplingRequest,
     TokenizeRequest,
 )
-from glm5_jax.serve.reasoning import REASONING_PARSERS, ReasoningParser, starts_in_reasoning
 from glm5_jax.serve.server_config import ApiKey, ServerConfig
 from glm5_jax.serve.textstream import Piece
-from glm5_jax.serve.tool_calls import ToolCallParser
 from glm5_jax.serve.types import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams, shown
 
 MAX_COMPLETION_LOGPROBS = 5  # the OpenAI limit for /v1/completions; chat allows top_logprobs up to 20

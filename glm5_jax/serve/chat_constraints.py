@@ -26,8 +26,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from glm5_jax.serve.reasoning import THINK_END
-from glm5_jax.serve.tool_calls import CALL_END, CALL_START
+from glm5_jax.chat.reasoning import THINK_END
+from glm5_jax.chat.tool_calls import CALL_END, CALL_START
 from glm5_jax.serve.types import Constraint, InvalidRequestError, shown
 
 _META = frozenset("\\.^$|?*+()[]{}")

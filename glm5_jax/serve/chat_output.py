@@ -11,8 +11,8 @@ content).
 
 from __future__ import annotations
 
-from glm5_jax.serve.reasoning import ReasoningParser
-from glm5_jax.serve.tool_calls import ToolCall, ToolCallParser
+from glm5_jax.chat.reasoning import ReasoningParser
+from glm5_jax.chat.tool_calls import ToolCall, ToolCallParser
 
 
 class ChatOutput:

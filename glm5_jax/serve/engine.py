@@ -30,14 +30,11 @@ Compilations are counted from JAX's own compile events.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Coroutine
-from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -70,7 +67,6 @@ logger = logging.getLogger(__name__)
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 DEFAULT_DECODE_STEPS = 8
-T = TypeVar("T")
 
 
 class RequestStream:
@@ -712,20 +708,3 @@ def warm_up(engine: Engine, prompt_lengths=(), timeout: float = 600.0) -> None:
     accepted for compatibility: every shape is compiled regardless of the prompts to come."""
     del prompt_lengths
     engine.warm_up(timeout)
-
-
-def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Runs `coroutine` to completion and returns its result, from synchronous code.
-
-    `asyncio.run` refuses to start where an event loop already runs on this thread (a Jupyter or
-    IPython cell, an async application); there the coroutine runs on a worker thread with its own
-    loop while this thread waits. The caller's loop is blocked meanwhile, so the coroutine must
-    not need it: the engine delivers to the loop that submitted, but a server evaluated with the
-    server backend must not be served by the caller's loop (another thread or process is fine).
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="glm5-run-sync") as worker:
-        return worker.submit(asyncio.run, coroutine).result()

@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from glm5_jax.errors import InvalidRequestError, shown  # noqa: F401 - the engine's and the API's too
+
 MAX_TOP_LOGPROBS = 20
-
-
-def shown(value, limit: int = 64) -> str:
-    """repr(value) for an error message, cut to `limit` characters: a client's 1 MB value is not
-    echoed back."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-class InvalidRequestError(ValueError):
-    """A request parameter is out of range; the message names the parameter."""
 
 
 class QueueFullError(Exception):

@@ -22,7 +22,7 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from glm5_jax.serve.types import InvalidRequestError, shown
+from glm5_jax.errors import InvalidRequestError, shown
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
