@@ -5,28 +5,12 @@ command-line flags that override execution options."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-from pathlib import Path
 from typing import Any
-
-import ml_collections
 
 from glm5_jax.model.config import ConfigError, ModelConfig
 from glm5_jax.model.options import DTYPES, EXECUTION_FIELDS, KERNEL_IMPLS, MOE_IMPLS, ExecutionOptions
-
-
-def load_config_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
-    """Runs `get_config()` of the Python file at `path`."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"_glm5_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {path} has no get_config() function")
-    return module.get_config()
+from glm5_jax.pyconfig import load_config_file  # noqa: F401 - callers take it from here too
 
 
 def load_model_config(path: str | os.PathLike, **overrides) -> ModelConfig:

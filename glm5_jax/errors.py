@@ -1,5 +1,6 @@
-"""The request error every layer raises and the API answers 400 (chat formats, the data pipeline's
-chat rendering, the engine's validation), and how a client's value is quoted in a message."""
+"""Errors every layer raises: a bad configuration field (ConfigError), a request that cannot be
+served as given (InvalidRequestError: chat formats, the data pipeline's chat rendering, the
+engine's validation; the API answers 400), and how a client's value is quoted in a message."""
 
 from __future__ import annotations
 
@@ -13,3 +14,7 @@ def shown(value, limit: int = 64) -> str:
 
 class InvalidRequestError(ValueError):
     """A request parameter is out of range; the message names the parameter."""
+
+
+class ConfigError(ValueError):
+    """A configuration field has an invalid value; the message names the field."""

@@ -120,10 +120,10 @@ class InProcessBackend:
     ) -> InProcessBackend:
         """A randomly initialised model (init_params) of a config file's architecture: the
         untrained baseline of a run."""
-        from glm5_jax.config_files import load_config_file
         from glm5_jax.data.tokenizer import load_tokenizer
         from glm5_jax.model import init_params
         from glm5_jax.model.options import options_from_run_config
+        from glm5_jax.pyconfig import load_config_file
         from glm5_jax.quant import quantize_params
 
         whole = load_config_file(path)

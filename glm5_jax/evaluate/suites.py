@@ -24,10 +24,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from glm5_jax.config_files import load_config_file
 from glm5_jax.evaluate.inprocess import EngineSettings
 from glm5_jax.evaluate.sandbox import SandboxLimits
 from glm5_jax.model.config import ConfigError
+from glm5_jax.pyconfig import load_config_file
 
 SUITE_DIR = Path(__file__).resolve().parents[2] / "configs" / "eval"
 PACKAGE_DATA = Path(__file__).resolve().parent / "data"

@@ -15,6 +15,8 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from glm5_jax.errors import ConfigError  # noqa: F401 - raised here, imported from here by callers
+
 INDEXER_TYPES = ("full", "shared")
 ATTENTION_TYPES = ("dsa", "sliding_window")
 # Execution fields (glm5_jax.model.options.ExecutionOptions) that older config files and saved
@@ -24,10 +26,6 @@ MOVED_TO_EXECUTION = (
     "decode_attention_impl", "expert_dispatch", "expert_capacity_factor", "pipeline_microbatches",
     "quantized_matmul", "dsa_stage", "scan_unroll", "causal_block_size",
 )
-
-
-class ConfigError(ValueError):
-    """A configuration field has an invalid value; the message names the field."""
 
 
 def check_field(config, condition: bool, field: str, message: str) -> None:

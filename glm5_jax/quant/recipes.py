@@ -116,8 +116,7 @@ def load_recipe(name_or_path: str | os.PathLike | Recipe) -> Recipe:
         known = ", ".join(builtin_recipes()) or f"none found in {RECIPE_DIR}"
         raise QuantizationError(f"unknown quantization recipe {text!r}: give a recipe file path "
                                 f"or a built-in name ({known})")
-    # config_files sits above the model (and so above quant, which layers import): import on use.
-    from glm5_jax.config_files import load_config_file
+    from glm5_jax.pyconfig import load_config_file
 
     raw = load_config_file(path)
     if isinstance(raw, ml_collections.ConfigDict):

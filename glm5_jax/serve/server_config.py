@@ -133,7 +133,7 @@ def load_server_config(path: str | os.PathLike) -> ServerConfig:
         except ValueError as exc:
             raise ServerConfigError(f"server config file {path} is not valid JSON: {exc}") from exc
     else:
-        from glm5_jax.config_files import load_config_file  # ml_collections only when needed
+        from glm5_jax.pyconfig import load_config_file  # ml_collections only when needed
 
         config = load_config_file(path)
         data = config.to_dict() if hasattr(config, "to_dict") else config
