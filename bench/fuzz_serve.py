@@ -51,9 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=5000,
                         help="generated requests to send (default: 5000), then each of issue 37's cases once")
-    parser.add_argument("--warmup", type=int, default=500,
+    parser.add_argument("--warmup", type=int, default=1000,
                         help="generated requests sent before memory and greedy answers are recorded "
-                             "(default: 500)")
+                             "(default: 1000)")
     parser.add_argument("--seed", type=int, default=0, help="generation seed (default: 0)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default: 8)")
     parser.add_argument("--timeout", type=float, default=60.0,
@@ -145,8 +145,9 @@ def generate(target, count: int, seed: int) -> list:
 class Run:
     """Sends requests, judges each answer and keeps the counts."""
 
-    def __init__(self, client: httpx.AsyncClient, args, max_slots: int):
-        self.client, self.args, self.max_slots = client, args, max_slots
+    def __init__(self, client: httpx.AsyncClient, args, server_pid: int):
+        self.client, self.args, self.server_pid = client, args, server_pid
+        self.rss_trace: list[tuple[str, int, int]] = []  # (phase, requests done, server RSS in MiB)
         self.statuses = collections.Counter()  # (path, status or "timeout" / "no answer")
         self.cases = collections.defaultdict(collections.Counter)  # known case -> status -> count
         self.failures: list[dict] = []
@@ -185,7 +186,7 @@ class Run:
         last = [start]
 
         async def worker():
-            while queue and self.hangs < self.max_slots:
+            while queue and self.hangs < self.args.max_slots:
                 index, request = queue.popleft()
                 await self.one(index, request)
                 done[0] += 1
@@ -194,11 +195,13 @@ class Run:
                     last[0] = now
                     rate = done[0] / (now - start)
                     eta = (len(requests) - done[0]) / rate
+                    rss = rss_mib(self.server_pid)
+                    self.rss_trace.append((label, done[0], round(rss)))
                     log(f"{label}: {done[0]}/{len(requests)} ({rate:.1f}/s, ETA {eta:.0f} s), "
-                        f"{len(self.failures)} failures, {self.hangs} hangs")
+                        f"{len(self.failures)} failures, {self.hangs} hangs, server RSS {rss:.0f} MiB")
 
         await asyncio.gather(*(worker() for _ in range(self.args.concurrency)))
-        if self.hangs >= self.max_slots:
+        if self.hangs >= self.args.max_slots:
             log(f"{label}: stopped after {done[0]} requests: {self.hangs} hung requests hold every slot")
         return done[0]
 
@@ -234,7 +237,7 @@ async def greedy_answers(client: httpx.AsyncClient) -> list[str]:
 
 
 def logged_ids(directory: Path) -> tuple[set[str], list[str]]:
-    from glm5_jax.serve.feedback_log import ReadReport, read_records
+    from glm5_jax.chat.feedback_log import ReadReport, read_records
 
     report = ReadReport()
     ids = {record["id"] for record in read_records(directory, report) if record.get("type") == "interaction"}
@@ -247,13 +250,15 @@ async def fuzz(args, port: int, process: subprocess.Popen, target, out_dir: Path
     # connection would only find out on its next request.
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits) as client:
-        run = Run(client, args, args.max_slots)
+        run = Run(client, args, process.pid)
         log(f"generating {args.warmup} warm-up requests (seed {args.seed + 1}), then issue 37's cases")
         warmup = generate(target, args.warmup, args.seed + 1) + fuzz_requests.known_cases(target)
         await run.send_all(warmup, "warm-up")
         greedy_before = await greedy_answers(client)
         rss_before = rss_mib(process.pid)
-        log(f"after warm-up: RSS {rss_before:.0f} MiB, {len(run.failures)} failures")
+        compiles_before = (await client.get("/health", timeout=30)).json().get("compile_count")
+        log(f"after warm-up: RSS {rss_before:.0f} MiB, {compiles_before} programs compiled, "
+            f"{len(run.failures)} failures")
         warmup_failures = len(run.failures)
         run.statuses.clear()
         run.cases.clear()
@@ -294,6 +299,8 @@ async def fuzz(args, port: int, process: subprocess.Popen, target, out_dir: Path
             "seed": args.seed, "warmup_failures": warmup_failures, "hangs": run.hangs,
             "retried_503": len(distinct),
             "rss_mib": [round(rss_before), round(rss_after)], "rss_growth": round(growth, 4),
+            "rss_trace": run.rss_trace,
+            "compile_count": [compiles_before, health.json().get("compile_count")],
             "greedy_identical": greedy_before == greedy_after, "health": health.status_code,
             "statuses": {f"{path} {status}": count for (path, status), count in sorted(
                 run.statuses.items(), key=str)}, "cases": {name: dict(counts) for name, counts in sorted(
@@ -309,7 +316,8 @@ def print_summary(summary: dict) -> None:
     print(f"\n{summary['sent']} of {summary['requests']} requests ({summary['generated']} generated, then "
           f"issue 37's cases) sent in {summary['seconds']} s (seed "
           f"{summary['seed']}); RSS {summary['rss_mib'][0]} -> {summary['rss_mib'][1]} MiB "
-          f"({summary['rss_growth']:+.1%}); greedy identical: {summary['greedy_identical']}; "
+          f"({summary['rss_growth']:+.1%}); programs compiled {summary['compile_count'][0]} -> "
+          f"{summary['compile_count'][1]}; greedy identical: {summary['greedy_identical']}; "
           f"/health {summary['health']}; {summary['hangs']} hangs\n")
     print("| endpoint | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
     for path, row in sorted(table.items()):
