@@ -396,3 +396,18 @@ def test_scoring_without_output_answers_for_every_prompt_length(engine):
             assert [e.token_id for e in events] == [None] and events[-1].finish_reason == "length"
             assert len(events[0].prompt_logprobs) == len(prompt)
     assert engine.active_requests == 0
+
+
+def test_requests_reaching_the_context_together(engine):
+    """Two requests decoding to the context limit at once, the next decode call dispatched behind
+    the one in flight: its pages stay within a sequence's table (the reservation for the call
+    behind used to run past the context: "could not broadcast (4,) into (3,)", every request of
+    the step failed)."""
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_CONTEXT)
+    for lengths in ((5, 12), (1, 12), (5, 20)):
+        prompts = [list(range(5, 5 + n)) for n in lengths]
+        results = run_concurrently(engine, prompts, greedy)
+        for prompt, events in zip(prompts, results, strict=True):
+            assert events[-1].finish_reason == "length", events[-1]
+            assert sum(e.token_id is not None for e in events) == MAX_CONTEXT - len(prompt)
+    assert engine.failure is None and engine.active_requests == 0

@@ -245,8 +245,11 @@ class Scheduler:
         ends = []
         for sequence in plan.sequences:
             allowed = sequence.max_new - sequence.generated
-            ends.append(sequence.computed + min((plan.steps + self.decode_steps) * self.positions_per_step,
-                                                max(allowed, plan.steps)))
+            end = sequence.computed + min((plan.steps + self.decode_steps) * self.positions_per_step,
+                                          max(allowed, plan.steps))
+            # Never past the context: a sequence's table has pages for max_context positions, and
+            # the device writes nothing past a row's pages.
+            ends.append(min(end, self.max_context))
         if all(s.max_new - s.generated <= plan.steps for s in plan.sequences):
             return None
         needed = sum(max(0, -(-end // self.page_size) - len(s.pages))
