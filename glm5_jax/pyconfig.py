@@ -13,8 +13,9 @@ import ml_collections
 from glm5_jax.errors import ConfigError
 
 
-def load_config_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
-    """Runs `get_config()` of the Python file at `path`."""
+def load_config_file(path: str | os.PathLike, argument: str | None = None) -> ml_collections.ConfigDict:
+    """Runs `get_config()` of the Python file at `path` (`get_config(argument)` when given, as
+    absl's config flags pass "PATH:ARGUMENT"). Raises ConfigError naming the file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -23,4 +24,4 @@ def load_config_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} has no get_config() function")
-    return module.get_config()
+    return module.get_config(argument) if argument else module.get_config()

@@ -17,12 +17,12 @@ Config sections (every key optional; the defaults below are the Gopher / C4 / St
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from glm5_jax.data.prepare.readers import ReaderSpec, reader_spec_from_dict
+from glm5_jax.errors import ConfigError
+from glm5_jax.pyconfig import load_config_file
 
 DOMAINS = ("code", "prose", "docs", "other")
 
@@ -225,11 +225,7 @@ def load_prepare_config(name: str) -> Any:
     """Runs a config file's get_config(); "PATH:ARGUMENT" passes ARGUMENT to it (as absl's
     config flags do, so `configs/data/demo.py:GLOB` means the same on every command line)."""
     path, _, argument = name.partition(":")
-    if not Path(path).is_file():
-        raise PrepareConfigError(f"config file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"_prepare_config_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise PrepareConfigError(f"config file {path} has no get_config() function")
-    return module.get_config(argument) if argument else module.get_config()
+    try:
+        return load_config_file(path, argument or None)
+    except ConfigError as error:
+        raise PrepareConfigError(str(error)) from None
