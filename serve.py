@@ -110,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "expert, data; sizes multiply to the device count; default: one device)")
     parser.add_argument("--quantize", default=None, metavar="RECIPE",
                         help="quantize the weights on load with this recipe name or file "
-                             "(glm5_jax.runs.load_any; default: as stored)")
+                             "(glm5_jax.train.runs.load_any; default: as stored)")
     group = parser.add_argument_group("execution options (default: as the checkpoint was made: a run's "
                                       "`execution` section, an HF checkpoint's stored dtype)")
     group.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
@@ -286,11 +286,11 @@ def main(argv=None) -> int:
     from glm5_jax.chat.template import load_chat_template, load_special_tokens
     from glm5_jax.model.config import ConfigError
     from glm5_jax.parallel.mesh import MeshError
-    from glm5_jax.runs import RunNotFoundError, checkpoint_options, load_any
     from glm5_jax.serve.api import DEFAULT_MAX_BODY_BYTES, create_app
     from glm5_jax.serve.engine import Engine, warm_up
     from glm5_jax.serve.http_server import make_server, raise_open_file_limit
     from glm5_jax.serve.metrics import ServerMetrics
+    from glm5_jax.train.runs import RunNotFoundError, checkpoint_options, load_any
 
     # quantize is passed only when asked for, so loading works with any load_any.
     load_options = {} if args.quantize is None else {"quantize": args.quantize}

@@ -11,7 +11,7 @@ The config file's `get_config()` returns an ml_collections ConfigDict with these
   data.*       sources, each with a kind and a weight: python_stdlib | files | jsonl | chat_jsonl
                (trains on assistant turns only, rendered with the run's chat template) |
                preference_jsonl (chosen/rejected pairs for objective="dpo") | prepared (the shards
-               `python -m glm5_jax.data.prepare` writes; glm5_jax/data/sources.py),
+               `python -m glm5_jax.prepare` writes; glm5_jax/data/sources.py),
                tokenizer_path ("" trains a byte-level BPE of data.vocab_size on the sources, cached
                in data.cache_dir, or in the workdir when cache_dir is ""),
                seq_len, validation_fraction, seed, and optionally schedule: staged mixtures, a list of
@@ -68,12 +68,12 @@ from glm5_jax.model.count import count_params
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.parallel import sharding as sharding_lib
 from glm5_jax.parallel.mesh import MeshError, MeshSpec, initialize_distributed, make_mesh
-from glm5_jax.runs import RunNotFoundError
 from glm5_jax.train import init_from as init_from_lib
 from glm5_jax.train.checkpoints import CheckpointError, RunCheckpoints
 from glm5_jax.train.dpo import make_dpo_eval_step, make_reference_log_probs
 from glm5_jax.train.metrics import MetricsLog
 from glm5_jax.train.optimizer import learning_rate_schedule, make_optimizer, trained_names
+from glm5_jax.train.runs import RunNotFoundError
 from glm5_jax.train.settings import TrainSettings
 from glm5_jax.train.step import (
     init_train_state,

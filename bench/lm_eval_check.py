@@ -90,7 +90,7 @@ def direct_scores(checkpoint: str, items: list[dict]) -> list[list[float]]:
     import numpy as np
 
     import glm5_jax
-    from glm5_jax.runs import load_any
+    from glm5_jax.train.runs import load_any
 
     config, params, tokenizer = load_any(checkpoint)
     forward = jax.jit(lambda p, ids: jax.nn.log_softmax(glm5_jax.forward(config, p, ids)))

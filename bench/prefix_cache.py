@@ -54,8 +54,8 @@ def main(argv=None):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    from glm5_jax.runs import load_any
     from glm5_jax.serve.engine import Engine, warm_up
+    from glm5_jax.train.runs import load_any
 
     # ---- model and engine: room for one full-length sequence, so a second one evicts the first
     config, params, tokenizer = load_any(args.run)

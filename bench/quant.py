@@ -44,7 +44,7 @@ from glm5_jax.config_files import load_model_config
 from glm5_jax.model import ModelConfig, forward
 from glm5_jax.model.transformer import param_shapes
 from glm5_jax.quant import MATMUL_IMPLS, is_quantized, quantize_params
-from glm5_jax.runs import load_any
+from glm5_jax.train.runs import load_any
 from glm5_jax.train.step import make_eval_step
 
 FLOAT32_LEAVES = {"router", "router_bias", "weights_proj"}

@@ -260,9 +260,9 @@ def measure_engine_alone(checkpoint: Path, reference: Reference, args, rng, voca
     round by round with transformers' batch-N generate. Returns (ours, transformers')."""
     import importlib.util
 
-    from glm5_jax.runs import checkpoint_options, load_any
     from glm5_jax.serve.engine import Engine, warm_up
     from glm5_jax.serve.types import SamplingParams
+    from glm5_jax.train.runs import checkpoint_options, load_any
 
     spec = importlib.util.spec_from_file_location("serve_cli", ROOT / "serve.py")
     cli = importlib.util.module_from_spec(spec)
@@ -335,7 +335,7 @@ def jax_forward_timer(checkpoint: Path, args, rng, vocab):
     import jax
 
     import glm5_jax
-    from glm5_jax.runs import load_any
+    from glm5_jax.train.runs import load_any
 
     config, params, _ = load_any(str(checkpoint))
     step = jax.jit(lambda p, ids: glm5_jax.forward(config, p, ids))

@@ -26,10 +26,10 @@ import time
 import openai
 import uvicorn
 
-from glm5_jax.runs import load_any
 from glm5_jax.serve.api import create_app
 from glm5_jax.serve.engine import Engine, warm_up
 from glm5_jax.serve.metrics import ServerMetrics
+from glm5_jax.train.runs import load_any
 
 SYSTEM_TOPICS = ["reading and writing configuration files", "parsing command-line arguments",
                  "walking a directory tree", "unit testing with unittest", "logging to files"]

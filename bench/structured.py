@@ -94,9 +94,9 @@ def engine_rates(checkpoint: Path, args) -> dict[str, float]:
     import numpy as np
 
     from glm5_jax.model.options import ExecutionOptions
-    from glm5_jax.runs import load_any
     from glm5_jax.serve.engine import Engine
     from glm5_jax.serve.types import Constraint, SamplingParams
+    from glm5_jax.train.runs import load_any
 
     config, params, tokenizer = load_any(str(checkpoint))
     engine = Engine(config, params, tokenizer, max_slots=max(args.clients, 1), max_context=512,

@@ -1,7 +1,7 @@
 """`configs/demo.py` trained on the prepare pipeline's output instead of the raw standard library:
 the same model, optimizer, steps, seed and validation fraction, only `data.sources` differs.
 
-    python -m glm5_jax.data.prepare --config configs/data/demo.py --output data/prepared/demo
+    python -m glm5_jax.prepare --config configs/data/demo.py --output data/prepared/demo
     python train.py --config configs/demo.py --workdir runs/demo_raw
     python train.py --config configs/demo_prepared.py:data/prepared/demo --workdir runs/demo_prepared \
         --config.data.tokenizer_path=runs/demo_raw/tokenizer.json

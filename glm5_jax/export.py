@@ -12,7 +12,7 @@ from pathlib import Path
 from absl import logging
 
 from glm5_jax.checkpoint import save_pretrained
-from glm5_jax.runs import RunNotFoundError, load_run
+from glm5_jax.train.runs import RunNotFoundError, load_run
 
 
 def export_run(workdir: str, output: str, max_shard_size: str = "5GB") -> Path:

@@ -15,10 +15,10 @@ from absl import logging
 from glm5_jax.config_files import add_execution_flags, execution_from_flags
 from glm5_jax.model import ModelConfig
 from glm5_jax.model.options import ExecutionOptions
-from glm5_jax.runs import RunNotFoundError, checkpoint_options, load_any
 from glm5_jax.serve.engine import Engine
 from glm5_jax.serve.types import SamplingParams
 from glm5_jax.sync import run_sync
+from glm5_jax.train.runs import RunNotFoundError, checkpoint_options, load_any
 
 
 def generate_ids(config: ModelConfig, params, prompt_ids: list[int], max_new_tokens: int,

@@ -38,9 +38,9 @@ from glm5_jax.model.options import ExecutionOptions  # noqa: E402
 from glm5_jax.model.transformer import param_logical_axes  # noqa: E402
 from glm5_jax.parallel.mesh import MeshSpec, make_mesh  # noqa: E402
 from glm5_jax.parallel.sharding import serving_param_shardings  # noqa: E402
-from glm5_jax.runs import load_any  # noqa: E402
 from glm5_jax.serve.api import create_app  # noqa: E402
 from glm5_jax.serve.engine import Engine  # noqa: E402
+from glm5_jax.train.runs import load_any  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -16,7 +16,7 @@ import glm5_jax
 from glm5_jax import CheckpointError, ConfigError
 from glm5_jax.checkpoint import checkpoint_names, read_options
 from glm5_jax.model.options import platform_moe_impl, platform_scan_unroll
-from glm5_jax.runs import checkpoint_options
+from glm5_jax.train.runs import checkpoint_options
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from glm5_jax.checkpoint import config_from_hf, config_to_hf, options_from_hf
 from glm5_jax.config_files import load_config_file, load_execution_options, load_model_config, split_overrides
 from glm5_jax.model.config import MOVED_TO_EXECUTION
 from glm5_jax.model.options import EXECUTION_FIELDS, ExecutionOptions, platform_moe_impl, platform_scan_unroll
-from glm5_jax.runs import run_configs
+from glm5_jax.train.runs import run_configs
 
 
 @pytest.mark.parametrize("changes, field", [

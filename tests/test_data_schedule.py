@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from glm5_jax.data import SourceSpec, make_train_iterator, train_bpe_tokenizer
-from glm5_jax.data.prepare.writer import write_shards
 from glm5_jax.data.schedule import ScheduledBatches, ScheduleError, schedule_from_config
 from glm5_jax.data.sources import DataSourceError
+from glm5_jax.prepare.writer import write_shards
 
 SEQ_LEN = 16
 DOCS = 300  # per source

@@ -12,11 +12,11 @@ from reference import build_reference, random_params
 
 from glm5_jax.model import ConfigError, apply_model
 from glm5_jax.model.options import ExecutionOptions
-from glm5_jax.runs import RunNotFoundError
 from glm5_jax.train.checkpoints import CheckpointError, RunCheckpoints
 from glm5_jax.train.init_from import checkpoint_architecture, initial_weights, merge_architecture
 from glm5_jax.train.loss import language_model_losses
 from glm5_jax.train.optimizer import make_optimizer, param_path, trained_names
+from glm5_jax.train.runs import RunNotFoundError
 from glm5_jax.train.settings import TrainSettings
 from glm5_jax.train.step import init_train_state, make_train_step
 

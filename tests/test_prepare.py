@@ -1,4 +1,4 @@
-"""Tests for glm5_jax.data.prepare on a planted corpus: every rule drops exactly its planted junk,
+"""Tests for glm5_jax.prepare on a planted corpus: every rule drops exactly its planted junk,
 near-duplicates with known edits are found (and no pair below 0.5 Jaccard is), stats add up, the
 learned scorer beats a constant, executors agree, the shards read back as a training source, every
 input path ends with an outcome (binary, empty, dangling and looping symlinks, duplicate paths:
@@ -22,15 +22,15 @@ import pytest
 
 from glm5_jax.data import make_train_iterator, source_spec_from_dict, train_bpe_tokenizer
 from glm5_jax.data.paths import SKIP_REASONS
-from glm5_jax.data.prepare import domains, normalise, quality, quality_data
-from glm5_jax.data.prepare.config import PrepareConfigError, settings_from_config
-from glm5_jax.data.prepare.dedup import shingles
-from glm5_jax.data.prepare.executors import LocalExecutor
-from glm5_jax.data.prepare.progress import Progress
-from glm5_jax.data.prepare.readers import ReaderSpec, read_source, scan_source
-from glm5_jax.data.prepare.run import prepare
-from glm5_jax.data.prepare.writer import read_prepared, shard_files
+from glm5_jax.data.prepared import read_prepared, shard_files
 from glm5_jax.data.sources import DataSourceError, SourceSpec, load_documents, scan_documents
+from glm5_jax.prepare import domains, normalise, quality, quality_data
+from glm5_jax.prepare.config import PrepareConfigError, settings_from_config
+from glm5_jax.prepare.dedup import shingles
+from glm5_jax.prepare.executors import LocalExecutor
+from glm5_jax.prepare.progress import Progress
+from glm5_jax.prepare.readers import ReaderSpec, read_source, scan_source
+from glm5_jax.prepare.run import prepare
 
 pytestmark = pytest.mark.xdist_group("prepare")
 
@@ -346,7 +346,7 @@ def test_worker_count_does_not_change_the_output(corpus, prepared, tmp_path):
 
 def test_ray_executor_matches_local(corpus, prepared, tmp_path):
     ray = pytest.importorskip("ray")
-    from glm5_jax.data.prepare.executors import RayExecutor
+    from glm5_jax.prepare.executors import RayExecutor
 
     # One Ray worker: Ray's start (~10 s here) and its worker importing glm5_jax (and so JAX) are
     # most of this test's cost; more workers add start-up without testing anything more.
@@ -648,7 +648,7 @@ def test_difficulty_stage_stores_the_reference_models_bits_per_byte(corpus, tmp_
 
     import glm5_jax
     from glm5_jax.data.schedule import document_difficulties
-    from glm5_jax.runs import checkpoint_options
+    from glm5_jax.train.runs import checkpoint_options
 
     config = tiny_config.replace(
         num_layers=1, num_dense_layers=1, indexer_types=["full"], attention_types=["dsa"], num_mtp_layers=0

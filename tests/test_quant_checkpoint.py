@@ -32,7 +32,7 @@ from glm5_jax.quant import (
     quantize_params,
     weight_layout,
 )
-from glm5_jax.runs import load_any
+from glm5_jax.train.runs import load_any
 
 # One xdist worker runs this module, so its fixtures (written checkpoints) are built once.
 pytestmark = pytest.mark.xdist_group("quant_checkpoint")

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from glm5_jax.runs import RunNotFoundError, checkpoint_config
 from glm5_jax.train.checkpoints import CheckpointError, RunCheckpoints, step_problem
+from glm5_jax.train.runs import RunNotFoundError, checkpoint_config
 
 
 def tiny_state(step: int):
@@ -152,7 +152,7 @@ def test_no_usable_step_is_one_line_naming_each_file(run):
     assert "2/config/metadata is empty (0 bytes)" in message
     assert "1/data/metadata is not valid JSON" in message
     assert snapshot(checkpoints_dir) == before
-    # What generate, serve, export and init_from read through (glm5_jax.runs): the same one line.
+    # What generate, serve, export and init_from read through (glm5_jax.train.runs): the same one line.
     with pytest.raises(RunNotFoundError, match="2/config/metadata is empty"):
         checkpoint_config(run)
 

@@ -23,8 +23,8 @@ from glm5_jax.checkpoint.hf_io import read_config
 from glm5_jax.data import SourceSpec, load_tokenizer, make_validation_batches
 from glm5_jax.data.templated import stdlib_conversations, wrong_answer_pairs
 from glm5_jax.model import ModelConfig
-from glm5_jax.runs import RunNotFoundError, load_run
 from glm5_jax.train.checkpoints import step_problem
+from glm5_jax.train.runs import RunNotFoundError, load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -281,7 +281,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_step(tmp_path, data_glob, uninterrupted,
                                                                      capsys):
     """A truncated array file in the newest step (12): with step 8 damaged too, train.py stops with
-    one line naming both files; with 8 intact, readers (glm5_jax.runs: generate, serve, export,
+    one line naming both files; with 8 intact, readers (glm5_jax.train.runs: generate, serve, export,
     init_from) and the resumed run use step 8, naming step 12, the file and why; the run moves 12
     aside untouched, saves 12 again, and its losses equal the uninterrupted run's."""
     workdir = tmp_path / "run"

@@ -1,7 +1,7 @@
 """Source code only: a directory tree read by extension, level 1 (dedup, code rules) and level 3
 (licence headers stripped, blank runs cut); the learned quality score is off, since it judges prose.
 
-    python -m glm5_jax.data.prepare --config configs/data/code.py:/path/to/repo --output data/prepared/code
+    python -m glm5_jax.prepare --config configs/data/code.py:/path/to/repo --output data/prepared/code
 
 The argument is the directory to walk (default: the current one).
 """

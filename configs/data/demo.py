@@ -1,8 +1,8 @@
 """The demo corpus through the prepare pipeline: this machine's Python standard library (plus
 Debian's python3-doc reST sources when installed), the same text `configs/demo.py` trains on.
 
-    python -m glm5_jax.data.prepare --config configs/data/demo.py --output data/prepared/demo --review 5
-    python -m glm5_jax.data.prepare --config configs/data/demo.py:'/path/to/_sources/**/*.txt' ...
+    python -m glm5_jax.prepare --config configs/data/demo.py --output data/prepared/demo --review 5
+    python -m glm5_jax.prepare --config configs/data/demo.py:'/path/to/_sources/**/*.txt' ...
 
 The optional argument is a glob of extra documentation (e.g. python3-doc's reST sources unpacked
 somewhere other than /usr/share/doc), read as a `files` source. Thresholds: docs/data.md.
@@ -18,7 +18,7 @@ def get_config(doc_glob: str = "") -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.sources = sources
     config.dedup = dict(exact=True, near=True, ngram=5, num_perm=128, threshold=0.7, seed=1)
-    # Gopher / C4 thresholds (glm5_jax/data/prepare/config.py); None turns a rule off.
+    # Gopher / C4 thresholds (glm5_jax/prepare/config.py); None turns a rule off.
     config.text_rules = dict(
         min_words=50,
         max_words=100_000,
@@ -43,7 +43,7 @@ def get_config(doc_glob: str = "") -> ml_collections.ConfigDict:
         max_line_length=1000,
         min_alphanumeric_fraction=0.25,
         marker_lines=20,
-        # generated_markers: the defaults of glm5_jax/data/prepare/config.py (regular expressions)
+        # generated_markers: the defaults of glm5_jax/prepare/config.py (regular expressions)
     )
     config.quality = dict(
         model_path="~/.cache/glm5_jax/quality-demo.npz",  # trained on first use (or: quality train)

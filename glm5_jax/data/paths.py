@@ -6,7 +6,7 @@ through a symlink or a symlinked folder, is a `duplicate_path`) and `**` enters 
 once: a symlink to a folder above it is a `symlink_loop`, recorded and not followed (glob follows
 it until the OS refuses, 40 levels down, reading every file again at each level).
 `read_text_file` reads one file's text or says why there is none. Every path not read becomes a
-`SkippedFile` with one of SKIP_REASONS; `python -m glm5_jax.data.prepare` counts them in stats.json
+`SkippedFile` with one of SKIP_REASONS; `python -m glm5_jax.prepare` counts them in stats.json
 and lists them in decisions.jsonl.
 """
 

@@ -40,7 +40,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from glm5_jax.data.prepare.writer import DIFFICULTY_FIELD
+from glm5_jax.data.prepared import DIFFICULTY_FIELD
 from glm5_jax.data.sources import DataSourceError, Document, SourceSpec, resolve_source_files
 
 _STAGE_KEYS = ("until_step", "weights", "difficulty_weight")
@@ -295,7 +295,7 @@ def document_difficulties(spec: SourceSpec, documents: Sequence[Document]) -> np
     Raises:
         DataSourceError naming the source and the first document without a finite score.
     """
-    from glm5_jax.data.prepare.writer import read_records  # array_record only when scores are used
+    from glm5_jax.data.prepared import read_records  # array_record only when scores are used
 
     if spec.kind != "prepared":
         raise DataSourceError(f"source {spec.name!r} (kind {spec.kind!r}) has no difficulty scores")

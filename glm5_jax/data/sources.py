@@ -12,7 +12,7 @@ A source is described by a frozen `SourceSpec` (usually built from a config dict
                     line is one document, rendered with a chat template and trained on its
                     assistant turns only.
     preference_jsonl JSON-lines preference pairs for DPO (glm5_jax/data/preference.py).
-    prepared        the ArrayRecord shards `python -m glm5_jax.data.prepare` writes: paths name
+    prepared        the ArrayRecord shards `python -m glm5_jax.prepare` writes: paths name
                     output directories (or shard files); documents keep their original ids.
 
 `load_documents` returns `Document`s in a deterministic order (sorted paths, then line order) with ids
@@ -189,7 +189,7 @@ def _expand_paths(paths: Sequence[str]) -> tuple[list[tuple[str, Path]], list[Sk
 
 def _prepared_shards(paths: Sequence[str]) -> list[tuple[str, Path]]:
     """(path, path) for the shards of prepared output directories or shard files; raises when none."""
-    from glm5_jax.data.prepare.writer import shard_files  # array_record only when prepared data is used
+    from glm5_jax.data.prepared import shard_files  # array_record only when prepared data is used
 
     found = []
     for entry in paths:
@@ -274,7 +274,7 @@ def scan_documents(spec: SourceSpec) -> SourceScan:
     files_read = 0
     for doc_id, path in files:
         if spec.kind == "prepared":
-            from glm5_jax.data.prepare.writer import read_records
+            from glm5_jax.data.prepared import read_records
 
             documents.extend(Document(record["id"], record["text"]) for record in read_records(path))
             files_read += 1

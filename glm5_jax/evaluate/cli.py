@@ -57,7 +57,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     model.add_argument(
         "--quantize",
         help="quantization recipe: a name in configs/quant/ (int8, fp8, mixed, "
-        "nvfp4) or a recipe file (glm5_jax.runs.load_any)",
+        "nvfp4) or a recipe file (glm5_jax.train.runs.load_any)",
     )
     model.add_argument(
         "--server",

@@ -1,4 +1,4 @@
-"""The in-process backend: a checkpoint loaded with `glm5_jax.runs.load_any` (optionally quantized).
+"""The in-process backend: a checkpoint loaded with `glm5_jax.train.runs.load_any` (optionally quantized).
 
 Log-likelihoods come from `glm5_jax.forward` on fixed-shape batches: `batch_size` rows, each
 right-padded to a power of two (at least 64, at most `max_length`), so a whole task compiles one
@@ -93,8 +93,8 @@ class InProcessBackend:
     def from_checkpoint(
         cls, path: str | os.PathLike, quantize: str | None = None, **kwargs
     ) -> InProcessBackend:
-        """A run directory or an HF checkpoint directory (glm5_jax.runs.load_any)."""
-        from glm5_jax.runs import checkpoint_options, load_any
+        """A run directory or an HF checkpoint directory (glm5_jax.train.runs.load_any)."""
+        from glm5_jax.train.runs import checkpoint_options, load_any
 
         config, params, tokenizer = load_any(path, quantize=quantize)
         if tokenizer is None:

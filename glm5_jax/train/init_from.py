@@ -20,7 +20,7 @@ import tokenizers
 
 from glm5_jax.model import ConfigError, ModelConfig, init_params
 from glm5_jax.model.options import ExecutionOptions
-from glm5_jax.runs import RunNotFoundError, checkpoint_config, load_any
+from glm5_jax.train.runs import RunNotFoundError, checkpoint_config, load_any
 
 
 def checkpoint_architecture(path: str | os.PathLike) -> ModelConfig:

@@ -1,8 +1,8 @@
 """Data preparation: three levels of filtering, dedup, domain tagging, review and sharding.
 
-    python -m glm5_jax.data.prepare --config configs/data/demo.py --output DIR [--review N]
+    python -m glm5_jax.prepare --config configs/data/demo.py --output DIR [--review N]
         [--executor local|ray] [--workers K]
-    python -m glm5_jax.data.prepare.quality train --config configs/data/demo.py
+    python -m glm5_jax.prepare.quality train --config configs/data/demo.py
 
 Level 1: normalisation, exact and near (MinHash LSH) dedup, Gopher/C4 text rules, code rules.
 Level 2: a learned quality score (hashed n-gram logistic regression).
@@ -19,7 +19,7 @@ Public API:
 
 import importlib
 
-# Attributes load on first use, so `python -m glm5_jax.data.prepare.quality` and the `prepared`
+# Attributes load on first use, so `python -m glm5_jax.prepare.quality` and the `prepared`
 # source kind do not import the whole pipeline first.
 _EXPORTS = {
     "PrepareConfigError": "config",

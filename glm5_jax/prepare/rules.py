@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from glm5_jax.data.prepare.code_rules import CODE_RULES
-from glm5_jax.data.prepare.config import CodeRuleSettings, TextRuleSettings
+from glm5_jax.prepare.code_rules import CODE_RULES
+from glm5_jax.prepare.config import CodeRuleSettings, TextRuleSettings
 
 STOP_WORDS = frozenset(("the", "be", "to", "of", "and", "that", "have", "with"))  # Gopher's list
 _BULLETS = ("•", "-", "*", "‣", "●", "◦", "–", "·")

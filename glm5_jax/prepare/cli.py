@@ -1,6 +1,6 @@
 """Prepare training data: filter, deduplicate, tag and shard a configured corpus.
 
-    python -m glm5_jax.data.prepare --config configs/data/demo.py --output DIR
+    python -m glm5_jax.prepare --config configs/data/demo.py --output DIR
         [--review N] [--executor local|ray] [--workers K] [--overwrite] [--difficulty_checkpoint PATH]
         [--config.<key>=<value> ...]
 
@@ -8,7 +8,7 @@ Writes DIR/data-*.array_record (train on them with a source dict(kind="prepared"
 stats.json, decisions.jsonl, summary.png and, with --review, review.md (docs/data.md). With
 --difficulty_checkpoint (or config.difficulty.checkpoint) every kept document's record carries its
 bits per byte under that reference model as `difficulty`. What each phase is doing goes to stderr
-(glm5_jax/data/prepare/progress.py); the summary to stdout.
+(glm5_jax/prepare/progress.py); the summary to stdout.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import json
 from absl import app, flags
 from ml_collections import config_flags
 
-from glm5_jax.data.prepare.config import PrepareConfigError, settings_from_config
-from glm5_jax.data.prepare.executors import EXECUTORS, make_executor
-from glm5_jax.data.prepare.run import prepare
 from glm5_jax.data.sources import DataSourceError
+from glm5_jax.prepare.config import PrepareConfigError, settings_from_config
+from glm5_jax.prepare.executors import EXECUTORS, make_executor
+from glm5_jax.prepare.run import prepare
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "a configs/data/*.py prepare config", lock_config=True

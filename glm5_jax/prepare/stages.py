@@ -18,11 +18,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from glm5_jax.data.prepare.config import CodeRuleSettings, DedupSettings, DomainSettings, TextRuleSettings
-from glm5_jax.data.prepare.dedup import content_hash, minhash_signature
-from glm5_jax.data.prepare.domains import clean_text, tag_domain
-from glm5_jax.data.prepare.normalise import normalise_text
-from glm5_jax.data.prepare.rules import failed_rule
+from glm5_jax.prepare.config import CodeRuleSettings, DedupSettings, DomainSettings, TextRuleSettings
+from glm5_jax.prepare.dedup import content_hash, minhash_signature
+from glm5_jax.prepare.domains import clean_text, tag_domain
+from glm5_jax.prepare.normalise import normalise_text
+from glm5_jax.prepare.rules import failed_rule
 
 
 @functools.lru_cache(maxsize=2)
@@ -109,7 +109,7 @@ def filter_batch(
     Returns:
         (one Filtered per document, {"rules", "quality", "domain": CPU seconds}).
     """
-    from glm5_jax.data.prepare.quality import load_model
+    from glm5_jax.prepare.quality import load_model
 
     model = load_model(quality_model) if quality_model else None
     seconds = dict.fromkeys(("rules", "quality", "domain"), 0.0)

@@ -6,10 +6,10 @@ Bracketed steps run per document batch on the executor; the rest runs here, over
 input order (dedup keeps the first of each group). Between near dedup and the filters, a missing
 level-2 model is trained, unless no document left would be scored (none of quality.domains passes
 the rules): then level 2 is skipped with a message, as when its labelled data cannot be built.
-Each phase reports what it is doing on stderr (glm5_jax/data/prepare/progress.py). The difficulty
+Each phase reports what it is doing on stderr (glm5_jax/prepare/progress.py). The difficulty
 stage (only with a difficulty.checkpoint) scores the kept documents under a reference model, here
-in the driver (glm5_jax/data/prepare/difficulty.py). Outputs in the directory:
-    data-*.array_record   the kept documents (glm5_jax/data/prepare/writer.py)
+in the driver (glm5_jax/prepare/difficulty.py). Outputs in the directory:
+    data-*.array_record   the kept documents (glm5_jax/prepare/writer.py)
     stats.json            counts per stage and rule, duplicates, domain shares, kept fraction, timing
     decisions.jsonl       one line per input document: kept, or the stage and reason that dropped it
                           (and for duplicates the id of the document kept in its place), with the
@@ -31,18 +31,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from glm5_jax.data.prepare.config import PrepareSettings
-from glm5_jax.data.prepare.dedup import exact_duplicates, near_duplicates
-from glm5_jax.data.prepare.difficulty import check_reference, score_texts, summarise
-from glm5_jax.data.prepare.domains import tag_domain
-from glm5_jax.data.prepare.progress import say
-from glm5_jax.data.prepare.quality import TrainingDataError, ensure_model
-from glm5_jax.data.prepare.readers import SourcesRead, scan_sources
-from glm5_jax.data.prepare.review import ReviewSampler
-from glm5_jax.data.prepare.rules import RULE_NAMES, failed_rule
-from glm5_jax.data.prepare.stages import analyse_batch, filter_batch
-from glm5_jax.data.prepare.stats import PipelineStats, plot_summary, write_stats
-from glm5_jax.data.prepare.writer import DIFFICULTY_FIELD, SHARD_SUFFIX, write_shards
+from glm5_jax.data.prepared import DIFFICULTY_FIELD, SHARD_SUFFIX
+from glm5_jax.prepare.config import PrepareSettings
+from glm5_jax.prepare.dedup import exact_duplicates, near_duplicates
+from glm5_jax.prepare.difficulty import check_reference, score_texts, summarise
+from glm5_jax.prepare.domains import tag_domain
+from glm5_jax.prepare.progress import say
+from glm5_jax.prepare.quality import TrainingDataError, ensure_model
+from glm5_jax.prepare.readers import SourcesRead, scan_sources
+from glm5_jax.prepare.review import ReviewSampler
+from glm5_jax.prepare.rules import RULE_NAMES, failed_rule
+from glm5_jax.prepare.stages import analyse_batch, filter_batch
+from glm5_jax.prepare.stats import PipelineStats, plot_summary, write_stats
+from glm5_jax.prepare.writer import write_shards
 
 OUTPUT_FILES = ("stats.json", "decisions.jsonl", "summary.png", "review.md")
 _REASONS = {

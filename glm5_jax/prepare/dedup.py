@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from glm5_jax.data.prepare.config import DedupSettings
-from glm5_jax.data.prepare.progress import Progress
+from glm5_jax.prepare.config import DedupSettings
+from glm5_jax.prepare.progress import Progress
 
 _WORD = re.compile(r"\w+")
 _SCHEME = "affine32"  # datasketch >= 2.0's default hashing scheme, named so stored signatures stay valid
@@ -88,7 +88,7 @@ def near_duplicates(
     Args:
         signatures: uint32 [num_perm] per document, in input order.
         settings: threshold (on the estimated Jaccard similarity), num_perm and seed.
-        progress: report the documents done on stderr (glm5_jax/data/prepare/progress.py).
+        progress: report the documents done on stderr (glm5_jax/prepare/progress.py).
     Returns:
         list as long as signatures.
     """

@@ -1,12 +1,12 @@
 """Level 2: a learned quality score, hashed n-gram logistic regression trained by this project.
 
-    python -m glm5_jax.data.prepare.quality train --config configs/data/demo.py [--output MODEL.npz]
-    python -m glm5_jax.data.prepare.quality score --model MODEL.npz FILE...
+    python -m glm5_jax.prepare.quality train --config configs/data/demo.py [--output MODEL.npz]
+    python -m glm5_jax.prepare.quality score --model MODEL.npz FILE...
 
 Features: lower-cased word and punctuation tokens (the first `max_tokens`) and their bigrams,
 hashed (crc32, stable across processes and machines) into `dims` buckets; log(1 + count), L2
 normalised. Model: logistic regression, L2-regularised, fitted with Newton-CG (scipy). Data: curated
-passages against synthetic junk made from them (glm5_jax/data/prepare/quality_data.py), with a
+passages against synthetic junk made from them (glm5_jax/prepare/quality_data.py), with a
 held-out split on which precision, recall and the constant baseline are reported and stored in
 the model file (an .npz of a few hundred KB: weights, bias, dims, max_tokens, metrics).
 The prepare pipeline drops documents of the configured domains scoring below `quality.threshold`.
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from glm5_jax.data.prepare.config import QualitySettings
-from glm5_jax.data.prepare.progress import Progress, say
-from glm5_jax.data.prepare.quality_data import labelled_examples, positive_passages
-from glm5_jax.data.prepare.readers import scan_sources
 from glm5_jax.data.sources import Document
+from glm5_jax.prepare.config import QualitySettings
+from glm5_jax.prepare.progress import Progress, say
+from glm5_jax.prepare.quality_data import labelled_examples, positive_passages
+from glm5_jax.prepare.readers import scan_sources
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 DEFAULT_DIMS = 1 << 16
@@ -246,7 +246,7 @@ def load_model(path: str | os.PathLike) -> QualityModel:
     if not path.is_file():
         raise FileNotFoundError(
             f"no quality model at {path}; train one with "
-            "`python -m glm5_jax.data.prepare.quality train --config ...`"
+            "`python -m glm5_jax.prepare.quality train --config ...`"
         )
     return _load(str(path), path.stat().st_mtime_ns)
 
@@ -329,7 +329,7 @@ def _summary(metrics: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from glm5_jax.data.prepare.config import load_prepare_config, settings_from_config
+    from glm5_jax.prepare.config import load_prepare_config, settings_from_config
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)

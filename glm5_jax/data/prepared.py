@@ -1,31 +1,30 @@
-"""The prepared output: ArrayRecord shards that grain reads with random access, and their reader.
+"""Prepared data, the format `python -m glm5_jax.prepare` writes (glm5_jax/prepare/writer.py) and
+training reads (`kind="prepared"` sources, difficulty schedules): ArrayRecord shards that grain
+reads with random access.
 
     DIR/data-00000-of-00003.array_record ...
 
 Each record is one kept document as UTF-8 JSON: {"id", "text", "domain", "source", "quality"}
 (quality is the level-2 score, or null where the document was not scored), plus an optional
 "difficulty" (DIFFICULTY_FIELD: a finite number, higher = harder; the prepare run's difficulty stage
-writes bits per byte under a reference model, glm5_jax/data/prepare/difficulty.py) that
+writes bits per byte under a reference model, glm5_jax/prepare/difficulty.py) that
 `data.schedule`'s difficulty_weight samples by (glm5_jax/data/schedule.py).
 Records are written in input order, `docs_per_shard` per shard, one record per ArrayRecord chunk
 (`group_size:1`), so `grain.sources.ArrayRecordDataSource(shard_paths)[i]` reads one document
 without its neighbours.
-Training on them: a source `dict(kind="prepared", paths=["DIR"])` (glm5_jax/data/sources.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from glm5_jax.data.prepare.progress import Progress
-
 SHARD_SUFFIX = ".array_record"
 DIFFICULTY_FIELD = "difficulty"  # optional per-record score read by glm5_jax/data/schedule.py
-_WRITER_OPTIONS = "group_size:1"  # one record per chunk: random access reads only that record
+WRITER_OPTIONS = "group_size:1"  # one record per chunk: random access reads only that record
 
 
 def shard_name(index: int, count: int) -> str:
@@ -38,31 +37,6 @@ def encode_record(record: dict[str, Any]) -> bytes:
 
 def decode_record(data: bytes) -> dict[str, Any]:
     return json.loads(data.decode("utf-8"))
-
-
-def write_shards(
-    records: Sequence[dict[str, Any]], output: str | os.PathLike, docs_per_shard: int, progress: bool = False
-) -> list[str]:
-    """Writes the records into ceil(len / docs_per_shard) shards (at least one, maybe empty); with
-    progress, the records written so far on stderr (glm5_jax/data/prepare/progress.py).
-
-    Returns:
-        the shard file names, in order.
-    """
-    from array_record.python.array_record_module import ArrayRecordWriter
-
-    count = max(1, -(-len(records) // docs_per_shard))
-    names = []
-    with Progress("write shards", len(records), "records", progress) as bar:
-        for index in range(count):
-            name = shard_name(index, count)
-            writer = ArrayRecordWriter(str(Path(output) / name), _WRITER_OPTIONS)
-            for record in records[index * docs_per_shard : (index + 1) * docs_per_shard]:
-                writer.write(encode_record(record))
-                bar.update()
-            writer.close()
-            names.append(name)
-    return names
 
 
 def shard_files(path: str | os.PathLike) -> list[Path]:

@@ -12,7 +12,7 @@ import heapq
 import os
 from pathlib import Path
 
-from glm5_jax.data.prepare.stats import STAGES
+from glm5_jax.prepare.stats import STAGES
 
 _MAX_CHARS = 1500  # of each shown text
 

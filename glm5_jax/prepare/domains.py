@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from glm5_jax.data.prepare.config import DomainSettings
+from glm5_jax.prepare.config import DomainSettings
 
 CODE_EXTENSIONS = (
     ".py",

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from glm5_jax.data.paths import SkippedFile, describe_skips, match_files, read_text_file
-from glm5_jax.data.prepare.progress import Progress
 from glm5_jax.data.sources import (
     DataPathNotFoundError,
     DataSourceError,
@@ -34,6 +33,7 @@ from glm5_jax.data.sources import (
     scan_documents,
     scan_source_files,
 )
+from glm5_jax.prepare.progress import Progress
 
 READER_KINDS = ("python_stdlib", "files", "jsonl", "prepared", "code_dir", "parquet")
 _SOURCE_KINDS = ("python_stdlib", "files", "jsonl", "prepared")  # read through SourceSpec

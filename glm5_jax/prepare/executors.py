@@ -5,7 +5,7 @@
                             instance with `workers` CPUs (about 10 s on a 2-core machine)
 
 Both map a batch function over batches and return the results in batch order, with the documents'
-progress (count, rate and ETA: glm5_jax/data/prepare/progress.py) on stderr; the global steps
+progress (count, rate and ETA: glm5_jax/prepare/progress.py) on stderr; the global steps
 (dedup, writing) stay in the driver. The
 batch functions are pure, so both executors, with any worker count, give the same output.
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from glm5_jax.data.prepare.progress import Progress
+from glm5_jax.prepare.progress import Progress
 
 EXECUTORS = ("local", "ray")
 
@@ -34,7 +34,7 @@ def _pool_context():
         return multiprocessing.get_context("fork")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(
-        ["glm5_jax.data.prepare.stages", "glm5_jax.data.prepare.quality", "datasketch"]
+        ["glm5_jax.prepare.stages", "glm5_jax.prepare.quality", "datasketch"]
     )
     return context
 

@@ -2,12 +2,12 @@
 as its record's `difficulty` (writer.DIFFICULTY_FIELD), the score `data.schedule`'s
 difficulty_weight samples by (glm5_jax/data/schedule.py).
 
-    python -m glm5_jax.data.prepare --config configs/data/demo.py --output DIR \
+    python -m glm5_jax.prepare --config configs/data/demo.py --output DIR \
         --difficulty_checkpoint runs/demo
 
 The reference model is a train.py run directory (its latest checkpoint) or an HF checkpoint
 directory, with its tokenizer.json, loaded as the evaluation harness loads one
-(`InProcessBackend.from_checkpoint`, through glm5_jax.runs.load_any). Each document's first
+(`InProcessBackend.from_checkpoint`, through glm5_jax.train.runs.load_any). Each document's first
 `max_bytes` bytes are tokenized and cut into lm-eval's rolling windows of at most `max_length`
 tokens (every token predicted exactly once, the first from the model's prefix token;
 glm5_jax/evaluate/backend.py), scored `batch_size` windows per forward call in a few fixed shapes
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from glm5_jax.data.prepare.config import DifficultySettings
-from glm5_jax.data.prepare.progress import Progress, say
+from glm5_jax.prepare.config import DifficultySettings
+from glm5_jax.prepare.progress import Progress, say
 
 UNIT = "bits per byte"
 CHUNK_DOCUMENTS = 1024  # documents whose windows are held in memory at once
@@ -59,10 +59,10 @@ def check_reference(settings: DifficultySettings) -> None:
     """Fails before the pipeline's work when the reference checkpoint cannot be used.
 
     Raises:
-        FileNotFoundError (glm5_jax.runs.RunNotFoundError) naming the path: neither a train.py run
+        FileNotFoundError (glm5_jax.train.runs.RunNotFoundError) naming the path: neither a train.py run
         directory with a checkpoint nor an HF checkpoint directory, or no tokenizer.json in it.
     """
-    from glm5_jax.runs import checkpoint_config
+    from glm5_jax.train.runs import checkpoint_config
 
     path = reference_path(settings)
     checkpoint_config(path)  # reads only the saved config

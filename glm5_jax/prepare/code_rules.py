@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import re
 
-from glm5_jax.data.prepare.config import CodeRuleSettings
+from glm5_jax.prepare.config import CodeRuleSettings
 
 
 def _max_line_length(text: str, s: CodeRuleSettings) -> bool:

@@ -3,7 +3,7 @@ frozen dataclasses, so each stage takes only the section it needs and a misspelt
 that names it.
 
 Config sections (every key optional; the defaults below are the Gopher / C4 / StarCoder values):
-    sources        list of reader specs (glm5_jax/data/prepare/readers.py)
+    sources        list of reader specs (glm5_jax/prepare/readers.py)
     dedup          exact, near, ngram, num_perm, threshold, seed
     text_rules     Gopher/C4 thresholds for prose, docs and other text (None turns a rule off)
     code_rules     max_line_length, min_alphanumeric_fraction, generated_markers, marker_lines
@@ -20,8 +20,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from glm5_jax.data.prepare.readers import ReaderSpec, reader_spec_from_dict
 from glm5_jax.errors import ConfigError
+from glm5_jax.prepare.readers import ReaderSpec, reader_spec_from_dict
 from glm5_jax.pyconfig import load_config_file
 
 DOMAINS = ("code", "prose", "docs", "other")
@@ -96,7 +96,7 @@ class CodeRuleSettings:
 
 @dataclasses.dataclass(frozen=True)
 class QualitySettings:
-    """Level 2: the learned quality score (glm5_jax/data/prepare/quality.py)."""
+    """Level 2: the learned quality score (glm5_jax/prepare/quality.py)."""
 
     model_path: str = ""  # "" skips level 2; a missing file is trained on first use from positive_sources
     threshold: float = 0.5  # documents scoring below are dropped
@@ -106,7 +106,7 @@ class QualitySettings:
 
 @dataclasses.dataclass(frozen=True)
 class DomainSettings:
-    """Level 3: per-domain cleaning (glm5_jax/data/prepare/domains.py)."""
+    """Level 3: per-domain cleaning (glm5_jax/prepare/domains.py)."""
 
     strip_license_headers: bool = True  # code: a leading comment block naming a licence or copyright
     max_blank_lines_code: int = 2  # PEP 8 separates top-level definitions by two blank lines
@@ -115,7 +115,7 @@ class DomainSettings:
 
 @dataclasses.dataclass(frozen=True)
 class DifficultySettings:
-    """The optional difficulty stage (glm5_jax/data/prepare/difficulty.py): each kept document's bits
+    """The optional difficulty stage (glm5_jax/prepare/difficulty.py): each kept document's bits
     per byte under a reference model, stored as its record's `difficulty`."""
 
     checkpoint: str = ""  # a train.py run directory or an HF checkpoint directory; "" skips the stage
