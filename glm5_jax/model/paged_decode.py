@@ -165,12 +165,10 @@ def _cache_stacks(config: ModelConfig, mtp: bool) -> dict[str, tuple[int, tuple[
 def page_storage_dtype(dtype, on_cpu: bool | None = None):
     """The dtype a page pool of cache values in `dtype` is stored in: `dtype` itself, except
     16-bit floats on XLA:CPU, stored as float32 (the values stay exactly those of `dtype`: the
-    step rounds what it writes to `dtype`, and the reference attention reads it back in `dtype`;
-    the Pallas decode kernel, interpreted on a CPU, multiplies those values in float32). XLA:CPU gathers and
-    scatters 16-bit floats by converting the whole operand to float32 and back, so each step
-    converted every page of the pool: bfloat16 serving ran 4-7x slower than float32, at a cost
-    that followed --max-context x slots rather than the tokens in use. Twice the pool's memory
-    on a CPU; GPU/TPU pools keep the compute dtype. on_cpu: None = JAX's default backend is the CPU."""
+    step rounds what it writes to `dtype` and reads it back in `dtype`). Why: XLA:CPU gathers
+    and scatters 16-bit floats by converting the whole operand, so a 16-bit pool cost every page
+    at every step (docs/benchmarks.md, "bfloat16 serving on a CPU"). Twice the pool's memory on a
+    CPU; GPU/TPU pools keep the compute dtype. on_cpu: None = JAX's default backend is the CPU."""
     dtype = jnp.dtype(dtype or ExecutionOptions().compute_dtype)
     on_cpu = jax.default_backend() == "cpu" if on_cpu is None else on_cpu
     widened = on_cpu and dtype.itemsize < 4 and jnp.issubdtype(dtype, jnp.floating)
@@ -298,12 +296,10 @@ def _streamed_topk(index_queries, head_weights, key_pages, tables, query_positio
     k). Ties go to the lower position, as `dsa.select_topk` (lax.top_k keeps the first index).
     """
     rows, q_len, _, head_dim = index_queries.shape
-    # Blocks grow with the queries per row, up to TOPK_CHUNK_BLOCKS: a lax.top_k merge of 256
-    # queries costs XLA:CPU 7.5 ms over 2,112 candidates and 3.7 ms over 320, so a 2,000-token
-    # prompt's 256-token chunks make 9x fewer merges (TopK time 445 -> 240 ms); the extra scoring
-    # past a chunk's end is small next to its real work. Decode rows (q_len 1) keep block_pages,
-    # so their cost follows their length. Padded table entries (page 0) lie past every query's
-    # position and are masked.
+    # Blocks grow with the queries per row, up to TOPK_CHUNK_BLOCKS: a long prompt's chunks make
+    # far fewer top-k merges, which dominate on a CPU (docs/benchmarks.md, "DSA top-k blocks").
+    # Decode rows (q_len 1) keep block_pages, so their cost follows their length. Padded table
+    # entries (page 0) lie past every query's position and are masked.
     block_pages *= min(q_len, TOPK_CHUNK_BLOCKS)
     tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % block_pages)))
     block_size = block_pages * key_pages.shape[1]

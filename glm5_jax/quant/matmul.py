@@ -86,9 +86,8 @@ def expert_linear(x: jax.Array, weight, experts: jax.Array, impl: str = "dequant
     x = jnp.broadcast_to(x.astype(dtype), (tokens, top_k, x.shape[-1]))
     if not in_matmul(weight, impl):
         gathered = weight.astype(dtype)[experts]  # [T, K, I, O]
-        # (T, K) as batch dimensions of both operands: the gathered matrices are used in place
-        # (sharing x's row as "TI,TKIO" made XLA:CPU transpose them into [I, K*O] first: 18% of a
-        # one-sequence decode: 465 -> 550 tok/s in-process on a CPU).
+        # (T, K) as batch dimensions of both operands, so the gathered matrices are used in place
+        # ("TI,TKIO" made XLA:CPU transpose them first: docs/benchmarks.md, "Quantized experts").
         return jnp.einsum("TKI,TKIO->TKO", x, gathered)
     flat_experts = experts.reshape(-1)  # [T*K]
     rows = x.reshape(tokens * top_k, 1, x.shape[-1])  # one row per (token, k)
