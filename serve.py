@@ -30,18 +30,13 @@ import sys
 import threading
 from pathlib import Path
 
+# The execution flags' one definition (plain tuples and argparse: --help needs no JAX).
+from glm5_jax.execution_flags import EXECUTION_FLAGS, add_execution_flags
+from glm5_jax.execution_flags import QUANTIZED_MATMUL_IMPLS as QUANTIZED_MATMUL_CHOICES  # noqa: F401
+
 DEFAULT_RUN = Path("runs/demo")
 WAITING_PER_SLOT = 8  # --max-waiting's default, per --max-slots
 DEFAULT_DECODE_STEPS = 8  # glm5_jax.serve.engine.DEFAULT_DECODE_STEPS (a test checks they agree)
-# ExecutionOptions choices (glm5_jax/model/options.py), spelled out so that --help needs no JAX;
-# tests/test_api.py checks them against the library's.
-DTYPE_CHOICES = ("bfloat16", "float16", "float32")
-MOE_IMPL_CHOICES = ("ragged", "blocked", "dense", "pallas")
-KERNEL_IMPL_CHOICES = ("reference", "pallas")
-QUANTIZED_MATMUL_CHOICES = ("dequantize", "native", "pallas")
-EXECUTION_FLAGS = ("dtype", "moe_impl", "scan_unroll", "attention_impl", "indexer_impl",
-                   "decode_attention_impl", "quantized_matmul")
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -111,33 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quantize", default=None, metavar="RECIPE",
                         help="quantize the weights on load with this recipe name or file "
                              "(glm5_jax.train.runs.load_any; default: as stored)")
-    group = parser.add_argument_group("execution options (default: as the checkpoint was made: a run's "
-                                      "`execution` section, an HF checkpoint's stored dtype)")
-    group.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
-                       help="compute dtype of activations and the page cache (weights stay as loaded)")
-    group.add_argument("--moe-impl", choices=MOE_IMPL_CHOICES, default=None,
-                       help="routed-expert computation: ragged (GPU/TPU), blocked, dense (CPU, few "
-                            "experts per chosen one) or pallas (grouped-matmul kernel); an HF checkpoint's "
-                            "default: this platform's (ragged on GPU/TPU; dense or blocked on a CPU)")
-    group.add_argument("--scan-unroll", type=int, default=None, metavar="N",
-                       help="layers per iteration of each layer stack's loop; a stack of at most N layers "
-                            "runs layer by layer on per-layer weights (no per-step copy of each layer's "
-                            "weights out of the stack: faster on a CPU, compile time grows with N); an HF "
-                            "checkpoint's default: its depth on a CPU up to 16 layers, else 1")
-    group.add_argument("--attention-impl", choices=KERNEL_IMPL_CHOICES, default=None,
-                       help="full-sequence attention: reference (jnp) or pallas (the paged serving step "
-                            "uses --decode-attention-impl; kept for tools sharing these options)")
-    group.add_argument("--indexer-impl", choices=KERNEL_IMPL_CHOICES, default=None,
-                       help="full-sequence DSA indexer scores + top-k: reference (jnp) or pallas (the "
-                            "paged step streams its own top-k)")
-    group.add_argument("--decode-attention-impl", choices=KERNEL_IMPL_CHOICES, default=None,
-                       help="MLA attention over the paged cache: reference (jnp) or pallas (the ragged "
-                            "paged-attention kernel; GPU/TPU)")
-    group.add_argument("--quantized-matmul", choices=QUANTIZED_MATMUL_CHOICES, default=None,
-                       help="how FP8 weights (--quantize fp8, FP8 checkpoints) meet the activations: "
-                            "dequantize (a float copy per layer; any backend), native (XLA float8 dots, "
-                            "activations rounded to FP8; FP8 GPUs) or pallas (the weight-only FP8 kernel; "
-                            "GPU/TPU). int8/nvfp4 weights are always dequantized")
+    add_execution_flags(parser, EXECUTION_FLAGS)
     parser.add_argument("--reasoning-parser", choices=("glm45", "none"), default="glm45",
                         help="chat answers: glm45 returns the <think> block as reasoning_content (and "
                              "reasoning) apart from content, as vLLM's --reasoning-parser glm45 does; none "

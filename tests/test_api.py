@@ -537,12 +537,23 @@ def test_template_loading_and_rejection(tmp_path):
 
 # ---------------------------------------------------------------- serve.py
 def test_serve_execution_flags():
+    import argparse
+
     import serve
+    from glm5_jax import execution_flags
     from glm5_jax.model import options
 
-    assert set(serve.DTYPE_CHOICES) == set(options.DTYPES)  # spelled out in serve.py for a fast --help
-    assert (serve.MOE_IMPL_CHOICES, serve.KERNEL_IMPL_CHOICES) == (options.MOE_IMPLS, options.KERNEL_IMPLS)
-    assert set(serve.EXECUTION_FLAGS) <= set(options.EXECUTION_FIELDS)
+    # One table (glm5_jax/execution_flags.py, no JAX) defines every execution flag: serve.py's and
+    # the library's choices are its tuples, and each flag's choices are its row's.
+    table = {field: choices for field, choices, _ in execution_flags.EXECUTION_FLAG_TABLE}
+    assert serve.EXECUTION_FLAGS == tuple(table) and set(table) <= set(options.EXECUTION_FIELDS)
+    assert tuple(options.DTYPES) == table["dtype"] and options.MOE_IMPLS is table["moe_impl"]
+    assert options.KERNEL_IMPLS is table["attention_impl"] is table["decode_attention_impl"]
+    assert options.QUANTIZED_MATMUL_IMPLS is table["quantized_matmul"]
+    parser = argparse.ArgumentParser()
+    execution_flags.add_execution_flags(parser, serve.EXECUTION_FLAGS)
+    built = {a.dest: a.choices and tuple(a.choices) for a in parser._actions if a.dest in table}
+    assert built == table
     from glm5_jax.serve.engine import DEFAULT_DECODE_STEPS
 
     assert serve.DEFAULT_DECODE_STEPS == DEFAULT_DECODE_STEPS

@@ -16,15 +16,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.execution_flags import (  # noqa: F401 - the choices are defined there, once
+    DTYPE_NAMES,
+    EXPERT_DISPATCHES,
+    KERNEL_IMPLS,
+    MOE_IMPLS,
+    QUANTIZED_MATMUL_IMPLS,
+    REMAT_POLICIES,
+)
 from glm5_jax.model.config import ConfigError, ModelConfig, check_field
 from glm5_jax.model.dsa_training import DSA_STAGES
 
-REMAT_POLICIES = ("none", "full", "save_matmuls")
-MOE_IMPLS = ("ragged", "blocked", "dense", "pallas")
-KERNEL_IMPLS = ("reference", "pallas")
-EXPERT_DISPATCHES = ("all_to_all", "ragged_all_to_all")
-QUANTIZED_MATMUL_IMPLS = ("dequantize", "native", "pallas")  # glm5_jax.quant.matmul.IMPLS
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {name: getattr(jnp, name) for name in DTYPE_NAMES}
 # On a CPU, "dense" up to this many experts per chosen one (at most that many times the chosen
 # experts' FLOPs, in a few large matmuls); measured (docs/benchmarks.md): 8 experts top-2,
 # serving 32 requests in-process, dense 1,646 tok/s, blocked 1,154, ragged 1,113.
