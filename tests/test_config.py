@@ -1,6 +1,9 @@
 """Config validation (errors name the field), execution options kept apart from the
 architecture, and HF config.json conversion."""
 
+import json
+from pathlib import Path
+
 import jax.numpy as jnp
 import pytest
 from transformers import GlmMoeDsaConfig
@@ -171,3 +174,34 @@ def test_unsupported_rope_type(tiny_config):
     hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
     with pytest.raises(ConfigError, match="rope_type"):
         config_from_hf(hf)
+
+
+# ---------------------------------------------------------------- configs/ derive from configs/base.py
+CONFIG_SNAPSHOT = Path(__file__).parent / "data" / "config_snapshot.json"
+
+
+def _typed(value):
+    """`value` with the type of every leaf spelled out (tuple vs list, int vs float, None)."""
+    if isinstance(value, dict):
+        return {key: _typed(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__, [_typed(item) for item in value]]
+    return [type(value).__name__, value]
+
+
+@pytest.mark.parametrize("name", sorted(json.loads(CONFIG_SNAPSHOT.read_text())))
+def test_configs_equal_their_snapshot(name):
+    """Each configs/*.py that derives from base.py gives exactly the values (and types) the full
+    copies gave before (tests/data/config_snapshot.json, written from them)."""
+    snapshot = json.loads(CONFIG_SNAPSHOT.read_text())[name]
+    assert json.loads(json.dumps(_typed(load_config_file(f"configs/{name}.py").to_dict()))) == snapshot
+
+
+def test_configs_state_only_what_differs_from_the_base():
+    base = load_config_file("configs/base.py").to_dict()
+    demo = load_config_file("configs/demo.py").to_dict()
+    demo["execution"] = {k: v for k, v in demo["execution"].items() if k in base["execution"]}
+    demo["execution"]["moe_impl"] = base["execution"]["moe_impl"]
+    assert demo == base  # demo.py changes three execution fields, nothing else
+    assert "hidden_size" not in Path("configs/demo.py").read_text()  # stated once, in base.py
+    assert set(json.loads(CONFIG_SNAPSHOT.read_text())) == {"demo", "demo_prepared", "glm5", "glm5_2", "tiny"}
