@@ -9,7 +9,8 @@ def shown(value, limit: int = 64) -> str:
     """repr(value) for an error message, cut to `limit` characters: a client's 1 MB value is not
     echoed back."""
     text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    size = len(value) if isinstance(value, str) else len(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({size} characters)"
 
 
 class InvalidRequestError(ValueError):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 import secrets
 import time
 import uuid
@@ -31,7 +30,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from glm5_jax.chat.feedback_log import FeedbackLog
+from glm5_jax.chat.feedback_log import LONE_SURROGATE, FeedbackLog
 from glm5_jax.chat.reasoning import REASONING_PARSERS, ReasoningParser, starts_in_reasoning
 from glm5_jax.chat.template import ChatRenderer
 from glm5_jax.chat.tool_calls import ToolCallParser
@@ -77,7 +76,6 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 MAX_JSON_DEPTH = 64  # JSON schemas and tool parameters nest far less; the template and grammar recurse
-_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins valid pairs: what is left is lone
 # Template variables the API sets itself: chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 
@@ -132,13 +130,13 @@ def _check_json(data) -> None:
         if depth > MAX_JSON_DEPTH:
             raise APIError(400, f"The request body nests deeper than {MAX_JSON_DEPTH} levels (at {where})")
         if isinstance(value, str):
-            if _SURROGATE.search(value):
+            if LONE_SURROGATE.search(value):
                 raise APIError(400, f"{where} holds a lone UTF-16 surrogate (e.g. \\ud800 without its "
                                     "pair), which is not valid Unicode", where.split(".")[1].split("[")[0]
                                if "." in where else None)
         elif isinstance(value, dict):
             for key, item in value.items():
-                if _SURROGATE.search(key):
+                if LONE_SURROGATE.search(key):
                     raise APIError(400, f"a key in {where} holds a lone UTF-16 surrogate, which is not "
                                         "valid Unicode")
                 stack.append((item, f"{where}.{key[:40]}", depth + 1))
@@ -225,16 +223,17 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     async def parse(request: Request, model: type[BaseModel]):
         return await _parse(request, model, max_body_bytes, body_timeout_s)
 
+    def over_limit(exc: RateLimited, caller: ApiKey) -> APIError:
+        metrics.rate_limited.labels(exc.limit, caller.name).inc()
+        headers = {} if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+        return APIError(429, exc.message, None, "rate_limit_exceeded", "rate_limit_error", headers)
+
     def admit(request: Request) -> Reservation:
         """Counts the request against the caller's limits before any work (429 when over)."""
-        caller = request.state.caller
         try:
-            return limiter.acquire(caller.key, 0)
+            return limiter.acquire(request.state.caller.key, 0)
         except RateLimited as exc:
-            metrics.rate_limited.labels(exc.limit, caller.name).inc()
-            headers = {} if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
-            raise APIError(429, exc.message, None, "rate_limit_exceeded", "rate_limit_error",
-                           headers) from None
+            raise over_limit(exc, request.state.caller) from None
 
     def check_text(text: str | int, param: str) -> None:
         """400 for text (or a character count) that could never fit the context, before tokenizing."""
@@ -256,7 +255,9 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
                            code="invalid_api_key")
         default = ApiKey("default", "", config.default_limits)
         request.state.caller = matches[0] if matches else default
-        if getattr(engine, "draining", False):
+
+    async def check_accepting():
+        if getattr(engine, "draining", False):  # serve.py got SIGTERM (Engine.drain)
             raise shutting_down_error()
 
     def check_model(model: str | None) -> None:
@@ -335,10 +336,7 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
         try:
             reservation.extend(most)
         except RateLimited as exc:
-            metrics.rate_limited.labels(exc.limit, caller.name).inc()
-            headers = {} if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
-            raise APIError(429, exc.message, None, "rate_limit_exceeded", "rate_limit_error",
-                           headers) from None
+            raise over_limit(exc, caller) from None
         generations = []
         try:
             for ids in prompts:
@@ -384,7 +382,7 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
     def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
         return tokenizer.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
-    v1 = APIRouter(dependencies=[Depends(check_api_key)])
+    v1 = APIRouter(dependencies=[Depends(check_api_key), Depends(check_accepting)])
     created = int(time.time())
 
     @app.get("/health")
@@ -436,10 +434,8 @@ def create_app(engine, model_id: str, *, api_key: str | None = None, chat_templa
                     check_text(prompt, "prompt")
             else:
                 check_token_ids(prompt, "prompt")
-        ids = []
-        for prompt in prompts:
-            ids.append(await asyncio.to_thread(encode, prompt) if isinstance(prompt, str) else list(prompt))
-            reservation.charge(sum(map(len, ids)))  # tokenizer work counts if refused below
+        ids = [await asyncio.to_thread(encode, p) if isinstance(p, str) else list(p) for p in prompts]
+        reservation.charge(sum(map(len, ids)))  # the tokenizer's work counts if refused below
         ids = [prepared(body, prompt_ids, "prompt") for prompt_ids in ids]
         echoes = [await asyncio.to_thread(decode, p) if body.echo else "" for p in ids]
         choices = start(request, reservation, body, ids, params)

@@ -13,11 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from glm5_jax.chat.feedback_log import FeedbackLog
 from glm5_jax.serve.errors import APIError
 from glm5_jax.serve.textstream import Piece
-from glm5_jax.serve.types import SamplingParams
+from glm5_jax.serve.types import SamplingParams, shown
 
 logger = logging.getLogger(__name__)
 
-MAX_SHOWN_ID = 64  # an unknown id is quoted in the 404 up to this many characters
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids")
 
@@ -38,11 +37,9 @@ async def answer_feedback(log: FeedbackLog, body: FeedbackRequest) -> dict:
     index past the response's choices (400) or a failed write (500)."""
     count = await log.written_choices(body.id)
     if count is None:
-        shown = repr(body.id[:MAX_SHOWN_ID])
-        if len(body.id) > MAX_SHOWN_ID:
-            shown += f"... ({len(body.id)} characters)"
-        raise APIError(404, f"id: no response {shown} is in this server's feedback log (only answers given "
-                            "while feedback was collected can be rated)", "id", "response_not_found")
+        raise APIError(404, f"id: no response {shown(body.id)} is in this server's feedback log (only "
+                            "answers given while feedback was collected can be rated)", "id",
+                       "response_not_found")
     if body.index >= count:
         raise APIError(400, f"index must be below {count} (the choices of response {body.id}), got "
                             f"{body.index}", "index")
