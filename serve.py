@@ -36,7 +36,7 @@ from glm5_jax.execution_flags import QUANTIZED_MATMUL_IMPLS as QUANTIZED_MATMUL_
 
 DEFAULT_RUN = Path("runs/demo")
 WAITING_PER_SLOT = 8  # --max-waiting's default, per --max-slots
-DEFAULT_DECODE_STEPS = 8  # glm5_jax.serve.engine.DEFAULT_DECODE_STEPS (a test checks they agree)
+DEFAULT_DECODE_STEPS = 8  # glm5_jax.engine.engine.DEFAULT_DECODE_STEPS (a test checks they agree)
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -161,8 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def read_server_config(path: str | None):
     """The server config (defaults when no file is given); exits with the field at fault."""
+    from glm5_jax.api.server_config import ServerConfig, ServerConfigError, load_server_config
     from glm5_jax.model.config import ConfigError
-    from glm5_jax.serve.server_config import ServerConfig, ServerConfigError, load_server_config
 
     if path is None:
         return ServerConfig()
@@ -252,13 +252,13 @@ def main(argv=None) -> int:
     server_config = read_server_config(args.server_config)  # before the slow model load
     feedback_log = open_feedback_log(args.feedback_dir)
     # Imported here: loading JAX and the model is slow, and `--help` should not need it.
+    from glm5_jax.api.app import DEFAULT_MAX_BODY_BYTES, create_app
+    from glm5_jax.api.http_server import make_server, raise_open_file_limit
+    from glm5_jax.api.metrics import ServerMetrics
     from glm5_jax.chat.template import load_chat_template, load_special_tokens
+    from glm5_jax.engine.engine import Engine, warm_up
     from glm5_jax.model.config import ConfigError
     from glm5_jax.parallel.mesh import MeshError
-    from glm5_jax.serve.api import DEFAULT_MAX_BODY_BYTES, create_app
-    from glm5_jax.serve.engine import Engine, warm_up
-    from glm5_jax.serve.http_server import make_server, raise_open_file_limit
-    from glm5_jax.serve.metrics import ServerMetrics
     from glm5_jax.train.runs import RunNotFoundError, checkpoint_options, load_any
 
     # quantize is passed only when asked for, so loading works with any load_any.

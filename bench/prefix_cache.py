@@ -39,7 +39,7 @@ def parse_args(argv=None):
 
 async def time_to_first_token(engine, prompt):
     """(seconds to the first token, cached_tokens of the final event)."""
-    from glm5_jax.serve.types import SamplingParams
+    from glm5_jax.engine.types import SamplingParams
 
     start = time.perf_counter()
     first, last = None, None
@@ -54,7 +54,7 @@ def main(argv=None):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    from glm5_jax.serve.engine import Engine, warm_up
+    from glm5_jax.engine.engine import Engine, warm_up
     from glm5_jax.train.runs import load_any
 
     # ---- model and engine: room for one full-length sequence, so a second one evicts the first

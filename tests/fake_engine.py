@@ -1,4 +1,4 @@
-"""A deterministic stand-in for glm5_jax.serve.engine.Engine, and a tiny real tokenizer, for API tests.
+"""A deterministic stand-in for glm5_jax.engine.engine.Engine, and a tiny real tokenizer, for API tests.
 
 The fake "model" repeats the prompt's ordinary tokens (no special or thinking-markup tokens), then
 emits EOS; with ignore_eos it cycles through them until max_tokens or the context limit. A prompt
@@ -14,7 +14,7 @@ after a small asyncio sleep so that clients can disconnect midway, and at most m
 run at once (the rest wait), like the real engine's batch slots. Every stream is recorded in
 `engine.streams` so tests can check cancellations.
 
-Failures follow the real engine's contract (glm5_jax/serve/types.py): with `fail_after` set, a
+Failures follow the real engine's contract (glm5_jax/engine/types.py): with `fail_after` set, a
 request ends after that many tokens with a finish_reason "error" event (a failed model step);
 with `max_waiting` set, submit raises QueueFullError while that many requests wait for a slot;
 while `failure` is set (a test sets it), submit raises EngineUnavailableError.
@@ -37,8 +37,8 @@ import tokenizers
 import uvicorn
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from glm5_jax.serve.observer import EngineObserver
-from glm5_jax.serve.types import (
+from glm5_jax.engine.observer import EngineObserver
+from glm5_jax.engine.types import (
     EngineUnavailableError,
     GenerationEvent,
     InvalidRequestError,
@@ -183,7 +183,7 @@ class FakeStream:
 
 
 class FakeEngine:
-    """Implements the Engine interface the API codes against (see glm5_jax/serve/engine.py)."""
+    """Implements the Engine interface the API codes against (see glm5_jax/engine/engine.py)."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer | None = None, *, max_context: int = 128,
                  max_slots: int = 8, delay: float = 0.001, fail_after: int | None = None,

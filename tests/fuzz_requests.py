@@ -2,7 +2,7 @@
 
 Shared by tests/test_serve_e2e.py (a small hypothesis budget against its real server) and
 bench/fuzz_serve.py (thousands of requests, concurrent). Bodies come from the request models' own
-JSON schemas (glm5_jax/serve/protocol.py, feedback_log.FeedbackRequest) through
+JSON schemas (glm5_jax/api/protocol.py, feedback_log.FeedbackRequest) through
 hypothesis-jsonschema: the app parses bodies itself (api._parse), so FastAPI's OpenAPI schema has
 none. A few fields are narrowed so that generated requests reach the engine often and stay cheap
 (model ids the server serves, token ids inside the vocabulary, max_tokens <= 8); hostile values
@@ -33,8 +33,8 @@ import jsonschema
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
-from glm5_jax.serve.feedback import FeedbackRequest
-from glm5_jax.serve.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from glm5_jax.api.feedback import FeedbackRequest
+from glm5_jax.api.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
                "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,

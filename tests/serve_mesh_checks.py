@@ -31,15 +31,15 @@ from fake_engine import make_tokenizer, running  # noqa: E402
 from reference import perturbed_params  # noqa: E402
 
 import glm5_jax  # noqa: E402
+from glm5_jax.api.app import create_app  # noqa: E402
 from glm5_jax.checkpoint.hf_io import save_pretrained  # noqa: E402
 from glm5_jax.config_files import load_model_config  # noqa: E402
+from glm5_jax.engine.engine import Engine  # noqa: E402
 from glm5_jax.model.config import mesh_requirements  # noqa: E402
 from glm5_jax.model.options import ExecutionOptions  # noqa: E402
 from glm5_jax.model.transformer import param_logical_axes  # noqa: E402
 from glm5_jax.parallel.mesh import MeshSpec, make_mesh  # noqa: E402
 from glm5_jax.parallel.sharding import serving_param_shardings  # noqa: E402
-from glm5_jax.serve.api import create_app  # noqa: E402
-from glm5_jax.serve.engine import Engine  # noqa: E402
 from glm5_jax.train.runs import load_any  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")

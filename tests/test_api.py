@@ -17,9 +17,9 @@ import uvicorn
 from fake_engine import FakeEngine, make_tokenizer, running
 from glm_files import glm_data_dir
 
+from glm5_jax.api.app import create_app
+from glm5_jax.api.metrics import ServerMetrics
 from glm5_jax.chat.template import ChatRenderer, load_chat_template, load_special_tokens, render_glm5
-from glm5_jax.serve.api import create_app
-from glm5_jax.serve.metrics import ServerMetrics
 
 # One xdist worker runs this module, so its fixtures (a served fake engine) are built once.
 pytestmark = pytest.mark.xdist_group("api")
@@ -298,7 +298,7 @@ def strict():
 
 def test_engine_failure_is_reported_and_the_server_survives(strict, monkeypatch, caplog):
     url, engine, metrics = strict
-    caplog.set_level(logging.ERROR, logger="glm5_jax.serve")
+    caplog.set_level(logging.ERROR, logger="glm5_jax.api")
     engine.fail_after = 1  # each request's model step fails after one token: a finish_reason "error" event
     try:
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "hello world"})  # no model: allowed
@@ -554,7 +554,7 @@ def test_serve_execution_flags():
     execution_flags.add_execution_flags(parser, serve.EXECUTION_FLAGS)
     built = {a.dest: a.choices and tuple(a.choices) for a in parser._actions if a.dest in table}
     assert built == table
-    from glm5_jax.serve.engine import DEFAULT_DECODE_STEPS
+    from glm5_jax.engine.engine import DEFAULT_DECODE_STEPS
 
     assert serve.DEFAULT_DECODE_STEPS == DEFAULT_DECODE_STEPS
     args = serve.parse_args(["--dtype", "bfloat16", "--decode-attention-impl", "pallas"])

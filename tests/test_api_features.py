@@ -16,10 +16,10 @@ import tokenizers
 from fake_engine import FakeEngine, fake_prompt_logprob, make_tokenizer, running
 from glm_files import glm_data_dir, glm_tokenizer
 
+from glm5_jax.api.app import create_app
+from glm5_jax.api.chat_constraints import tool_call_regex
 from glm5_jax.chat.template import ChatRenderer, load_chat_template, render_glm5
-from glm5_jax.serve.api import create_app
-from glm5_jax.serve.chat_constraints import tool_call_regex
-from glm5_jax.serve.types import Constraint
+from glm5_jax.engine.types import Constraint
 
 pytestmark = pytest.mark.xdist_group("api")
 

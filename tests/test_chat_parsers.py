@@ -10,10 +10,7 @@ import re
 
 import pytest
 
-from glm5_jax.chat.reasoning import ReasoningParser, starts_in_reasoning
-from glm5_jax.chat.template import render_glm5
-from glm5_jax.chat.tool_calls import ToolCall, ToolCallParser, function_schemas, parse_call
-from glm5_jax.serve.chat_constraints import (
+from glm5_jax.api.chat_constraints import (
     TEXT,
     InvalidFieldError,
     call_regex,
@@ -23,8 +20,11 @@ from glm5_jax.serve.chat_constraints import (
     tool_call_regex,
     value_regex,
 )
-from glm5_jax.serve.chat_output import ChatOutput, message
-from glm5_jax.serve.types import Constraint
+from glm5_jax.api.chat_output import ChatOutput, message
+from glm5_jax.chat.reasoning import ReasoningParser, starts_in_reasoning
+from glm5_jax.chat.template import render_glm5
+from glm5_jax.chat.tool_calls import ToolCall, ToolCallParser, function_schemas, parse_call
+from glm5_jax.engine.types import Constraint
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from reference import greedy_chain, perturbed_params
 
-from glm5_jax.serve.engine import Engine
-from glm5_jax.serve.observer import EngineObserver
-from glm5_jax.serve.paged_cache import page_hashes
-from glm5_jax.serve.types import (
+from glm5_jax.engine.engine import Engine
+from glm5_jax.engine.observer import EngineObserver
+from glm5_jax.engine.paged_cache import page_hashes
+from glm5_jax.engine.types import (
     SHUTTING_DOWN,
     EngineUnavailableError,
     InvalidRequestError,

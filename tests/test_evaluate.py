@@ -23,6 +23,7 @@ from reference import random_params
 from tokenizers import decoders, models, pre_tokenizers
 
 import glm5_jax
+from glm5_jax.api.app import create_app
 from glm5_jax.evaluate import cli, render, report
 from glm5_jax.evaluate.backend import GenerationRequest, encode_pair, rolling_windows
 from glm5_jax.evaluate.formats import TaskDataError, read_gsm8k_jsonl, read_lm_eval_jsonl, read_mmlu_csv
@@ -39,7 +40,6 @@ from glm5_jax.evaluate.scoring import (
 from glm5_jax.evaluate.server import ServerBackend
 from glm5_jax.evaluate.suites import PACKAGE_DATA, SuiteError, load_suite, suite_from_config, task_spec
 from glm5_jax.evaluate.tasks import run_multiple_choice, run_task
-from glm5_jax.serve.api import create_app
 
 pytestmark = pytest.mark.xdist_group("evaluate")
 MAX_LENGTH = 64  # every log-likelihood row of these tests is [8, 64]: one forward program

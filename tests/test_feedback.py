@@ -15,11 +15,11 @@ import pytest
 from fake_engine import FakeEngine, make_tokenizer, running
 
 import serve
+from glm5_jax.api.app import create_app
 from glm5_jax.chat.feedback_log import FeedbackLog, JsonlAppender, ReadReport, read_records
 from glm5_jax.data import feedback as export_cli
 from glm5_jax.data.chat import parse_conversation
 from glm5_jax.data.preference import parse_pair
-from glm5_jax.serve.api import create_app
 
 MODEL = "glm5-test"
 KEY = "sk-feedback-test"

@@ -11,9 +11,9 @@ import openai
 import pytest
 from fake_engine import FakeEngine, make_tokenizer, running
 
-from glm5_jax.serve.api import create_app
-from glm5_jax.serve.limits import RateLimited, RateLimiter
-from glm5_jax.serve.server_config import (
+from glm5_jax.api.app import create_app
+from glm5_jax.api.limits import RateLimited, RateLimiter
+from glm5_jax.api.server_config import (
     ApiKey,
     Limits,
     ServerConfigError,

@@ -10,9 +10,9 @@ import pytest
 from fake_engine import FakeEngine, make_tokenizer, running
 from prometheus_client.parser import text_string_to_metric_families
 
-from glm5_jax.serve.api import create_app
-from glm5_jax.serve.metrics import ServerMetrics
-from glm5_jax.serve.server_config import parse_server_config
+from glm5_jax.api.app import create_app
+from glm5_jax.api.metrics import ServerMetrics
+from glm5_jax.api.server_config import parse_server_config
 
 # One xdist worker runs this module, so its fixtures (a served fake engine) are built once.
 pytestmark = pytest.mark.xdist_group("metrics")

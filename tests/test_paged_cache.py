@@ -4,7 +4,7 @@ host offload / reload (pure Python, no model)."""
 import numpy as np
 import pytest
 
-from glm5_jax.serve.paged_cache import PageAllocator, page_hashes
+from glm5_jax.engine.paged_cache import PageAllocator, page_hashes
 
 
 class FakeDevice:

@@ -5,15 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.serve import sampling
-from glm5_jax.serve.sampling import (
+from glm5_jax.engine import sampling
+from glm5_jax.engine.sampling import (
     SamplingState,
     init_sampling_state,
     make_keys,
     sample,
     set_slot,
 )
-from glm5_jax.serve.types import InvalidRequestError, SamplingParams
+from glm5_jax.engine.types import InvalidRequestError, SamplingParams
 
 # Jitted here (the engine calls them inside its jitted step): eagerly, every op compiles alone.
 apply_penalties = jax.jit(sampling.apply_penalties)
@@ -341,7 +341,7 @@ def test_init_state_is_neutral_and_set_slot_compiles_once():
     np.testing.assert_array_equal(np.asarray(apply_penalties(logits, state)), np.asarray(logits))
     assert state.keys.shape == (4, 2) and state.keys.dtype == jnp.uint32
 
-    from glm5_jax.serve import sampling
+    from glm5_jax.engine import sampling
 
     state = set_slot(state, 0, SamplingParams(), [1], seed=1)
     compiled = sampling._set_slot._cache_size()

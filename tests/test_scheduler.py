@@ -4,8 +4,8 @@ reports the slot it left, prefix hits skip computed pages, and the waiting queue
 
 import pytest
 
-from glm5_jax.serve.paged_cache import PageAllocator
-from glm5_jax.serve.scheduler import (
+from glm5_jax.engine.paged_cache import PageAllocator
+from glm5_jax.engine.scheduler import (
     DecodePlan,
     MixedPlan,
     Scheduler,
@@ -13,7 +13,7 @@ from glm5_jax.serve.scheduler import (
     chunk_geometries,
     decode_buckets,
 )
-from glm5_jax.serve.types import QueueFullError
+from glm5_jax.engine.types import QueueFullError
 
 PAGE = 4
 

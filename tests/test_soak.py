@@ -22,10 +22,10 @@ from fake_engine import running
 from prometheus_client.parser import text_string_to_metric_families
 from reference import random_params
 
+from glm5_jax.api.app import create_app
+from glm5_jax.api.metrics import ServerMetrics
 from glm5_jax.data import train_bpe_tokenizer
-from glm5_jax.serve.api import create_app
-from glm5_jax.serve.engine import Engine
-from glm5_jax.serve.metrics import ServerMetrics
+from glm5_jax.engine.engine import Engine
 
 # One xdist worker runs this module, so its fixtures (a served engine) are built once.
 pytestmark = pytest.mark.xdist_group("soak")

@@ -13,9 +13,9 @@ import pytest
 from reference import greedy_chain, perturbed_params
 
 from glm5_jax import forward
-from glm5_jax.serve.engine import Engine
-from glm5_jax.serve.metrics import ServerMetrics
-from glm5_jax.serve.types import SamplingParams
+from glm5_jax.api.metrics import ServerMetrics
+from glm5_jax.engine.engine import Engine
+from glm5_jax.engine.types import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("speculative")
 

@@ -4,7 +4,7 @@ take the matching prefix, `verifiable` caps acceptance, and each row depends onl
 import numpy as np
 import pytest
 
-from glm5_jax.serve.acceptance import accept_drafts
+from glm5_jax.engine.rejection_sampling import accept_drafts
 
 # Every call uses this one shape, so accept_drafts compiles once for the module.
 R, N, V = 40_000, 2, 5

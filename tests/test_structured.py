@@ -15,13 +15,13 @@ from fake_engine import make_tokenizer, running
 from glm_files import glm_data_dir, glm_tokenizer
 from reference import perturbed_params
 
+from glm5_jax.api.app import create_app
+from glm5_jax.api.chat_constraints import tool_call_regex
 from glm5_jax.chat.template import load_chat_template
 from glm5_jax.chat.tool_calls import ToolCall, ToolCallParser
-from glm5_jax.serve.api import create_app
-from glm5_jax.serve.chat_constraints import tool_call_regex
-from glm5_jax.serve.engine import Engine
-from glm5_jax.serve.grammar import GrammarCompiler
-from glm5_jax.serve.types import Constraint, InvalidRequestError, SamplingParams
+from glm5_jax.engine.engine import Engine
+from glm5_jax.engine.grammar import GrammarCompiler
+from glm5_jax.engine.types import Constraint, InvalidRequestError, SamplingParams
 
 pytestmark = pytest.mark.xdist_group("structured")
 

@@ -1,5 +1,5 @@
 """The feedback log (serve.py --feedback-dir DIR): what the server answered, and what users thought of it.
-This module writes and reads the records; glm5_jax/serve/feedback.py makes them from answers and
+This module writes and reads the records; glm5_jax/api/feedback.py makes them from answers and
 answers POST /v1/feedback.
 
 Every finished /v1/completions and /v1/chat/completions answer is appended to DIR as an

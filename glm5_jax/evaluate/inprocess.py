@@ -4,7 +4,7 @@ Log-likelihoods come from `glm5_jax.forward` on fixed-shape batches: `batch_size
 right-padded to a power of two (at least 64, at most `max_length`), so a whole task compiles one
 or two programs. Causal attention (and the DSA indexer's causal top-k) makes every position
 independent of the padding after it. Generation goes through the serving engine
-(`glm5_jax.serve.engine.Engine`, the paged cache and continuous batching `serve.py` uses; text,
+(`glm5_jax.engine.engine.Engine`, the paged cache and continuous batching `serve.py` uses; text,
 stop strings and thinking blocks handled as the API handles them), built at the first request.
 """
 
@@ -22,11 +22,11 @@ import numpy as np
 
 from glm5_jax.chat.reasoning import ReasoningParser, starts_in_reasoning
 from glm5_jax.chat.template import ChatRenderer, load_chat_template, load_special_tokens
+from glm5_jax.engine.textstream import Generation
+from glm5_jax.engine.types import InvalidRequestError, SamplingParams
 from glm5_jax.evaluate.backend import GenerationRequest, GenerationResult, TokenPair, gather_bounded, run_sync
 from glm5_jax.model import ModelConfig, forward
 from glm5_jax.model.options import ExecutionOptions
-from glm5_jax.serve.textstream import Generation
-from glm5_jax.serve.types import InvalidRequestError, SamplingParams
 
 MIN_ROW_LENGTH = 64
 
@@ -180,7 +180,7 @@ class InProcessBackend:
     @property
     def engine(self):
         if self._engine is None:
-            from glm5_jax.serve.engine import Engine
+            from glm5_jax.engine.engine import Engine
 
             settings = self.engine_settings
             self._engine = Engine(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from glm5_jax.serve.types import GenerationEvent
+from glm5_jax.engine.types import GenerationEvent
 
 PromptLogprobs = Sequence[tuple[float | None, Sequence[tuple[int, float]]]]
 

@@ -8,7 +8,7 @@ first draft d_1 (drawn when x was produced, from the MTP layer at p - 1):
      MTP layer);
   2. verify: the main model runs [x, d_1 .. d_N] at positions p .. p + N as one chunk of the
      row (one `paged_step`), giving the target distribution after each;
-  3. accept (`acceptance.accept_drafts`): a drafts kept, then one more token y (the residual
+  3. accept (`rejection_sampling.accept_drafts`): a drafts kept, then one more token y (the residual
      draw at the first rejection, or the bonus token): a + 1 tokens emitted;
   4. the MTP layer runs over the verified positions p .. p + a with the main model's hidden
      states and the emitted tokens (rewriting the chain's provisional entries with the ones a
@@ -35,10 +35,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from glm5_jax.model.config import ModelConfig
-from glm5_jax.model.paged_decode import StepBatch, paged_mtp_step, paged_step
-from glm5_jax.serve.acceptance import accept_drafts
-from glm5_jax.serve.sampling import (
+from glm5_jax.engine.rejection_sampling import accept_drafts
+from glm5_jax.engine.sampling import (
     PRNG_IMPL,
     SamplingState,
     categorical,
@@ -47,7 +45,9 @@ from glm5_jax.serve.sampling import (
     put_slot_rows,
     slot_rows,
 )
-from glm5_jax.serve.types import MAX_TOP_LOGPROBS
+from glm5_jax.engine.types import MAX_TOP_LOGPROBS
+from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.paged_decode import StepBatch, paged_mtp_step, paged_step
 
 _CHAIN, _NEXT_ROUND, _ACCEPT = 1, 1000, 2000  # fold_in tags of a round's key
 

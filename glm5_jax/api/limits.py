@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from glm5_jax.serve.server_config import ApiKey, Limits
+from glm5_jax.api.server_config import ApiKey, Limits
 
 WINDOW_SECONDS = 60.0
 UNLIMITED = Limits()

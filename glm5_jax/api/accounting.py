@@ -3,10 +3,10 @@ rate-limit reservation settled with the real token count, and the finish reason 
 
 from __future__ import annotations
 
-from glm5_jax.serve.limits import Reservation
-from glm5_jax.serve.metrics import ServerMetrics
-from glm5_jax.serve.textstream import Generation
-from glm5_jax.serve.types import SamplingParams
+from glm5_jax.api.limits import Reservation
+from glm5_jax.api.metrics import ServerMetrics
+from glm5_jax.engine.textstream import Generation
+from glm5_jax.engine.types import SamplingParams
 
 
 class AccountedGeneration(Generation):

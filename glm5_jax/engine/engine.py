@@ -1,8 +1,8 @@
 """The continuous-batching inference engine: a supervised thread that runs the scheduler's plans
 on the model runner and turns sampled tokens into request events.
 
-Layers: `glm5_jax.serve.scheduler` decides what each step computes (pure Python: admission,
-chunked prefill, preemption, prefix cache, pages); `glm5_jax.serve.runner` owns the device state
+Layers: `glm5_jax.engine.scheduler` decides what each step computes (pure Python: admission,
+chunked prefill, preemption, prefix cache, pages); `glm5_jax.engine.runner` owns the device state
 and runs the jitted programs (a mixed prefill/decode step, or several decode steps in one call);
 this module owns requests: it validates and queues them, applies each plan, checks EOS, stop
 token ids and lengths on the host (tokens a multi-step call produced past a request's end are
@@ -22,7 +22,7 @@ After `max_consecutive_failures` failing steps in a row the engine stops: `failu
 `submit` raises EngineUnavailableError, and serve.py exits non-zero for its supervisor.
 A preempted request keeps its sampler state (key, token counts) and resumes exactly where it was.
 With `speculative_tokens` N > 0 a decode call whose rows are all eligible runs speculative rounds
-(`glm5_jax.serve.speculative`) and may emit up to N + 1 tokens per row and round; the rest of the
+(`glm5_jax.engine.speculative`) and may emit up to N + 1 tokens per row and round; the rest of the
 engine is unchanged (a token is a token, whichever program produced it).
 Compilations are counted from JAX's own compile events.
 """
@@ -40,13 +40,11 @@ import jax
 import numpy as np
 import tokenizers
 
-from glm5_jax.model.config import ModelConfig
-from glm5_jax.model.paged_decode import DEFAULT_BLOCK_POSITIONS
-from glm5_jax.serve.grammar import ConstrainedOutput, GrammarCompiler
-from glm5_jax.serve.observer import EngineObserver
-from glm5_jax.serve.paged_cache import PageAllocator
-from glm5_jax.serve.runner import MAX_STOP_IDS, DecodeCall, ModelRunner, Sampled
-from glm5_jax.serve.scheduler import (
+from glm5_jax.engine.grammar import ConstrainedOutput, GrammarCompiler
+from glm5_jax.engine.observer import EngineObserver
+from glm5_jax.engine.paged_cache import PageAllocator
+from glm5_jax.engine.runner import MAX_STOP_IDS, DecodeCall, ModelRunner, Sampled
+from glm5_jax.engine.scheduler import (
     DecodePlan,
     MixedPlan,
     Scheduler,
@@ -54,7 +52,7 @@ from glm5_jax.serve.scheduler import (
     chunk_geometries,
     decode_buckets,
 )
-from glm5_jax.serve.types import (
+from glm5_jax.engine.types import (
     SHUTTING_DOWN,
     EngineUnavailableError,
     GenerationEvent,
@@ -62,6 +60,8 @@ from glm5_jax.serve.types import (
     SamplingParams,
     ShuttingDownError,
 )
+from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.paged_decode import DEFAULT_BLOCK_POSITIONS
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from glm5_jax.serve.observer import EngineObserver
+from glm5_jax.engine.observer import EngineObserver
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Bucket edges in seconds: CPU tests sit at the top, accelerators at the bottom.

@@ -21,8 +21,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from glm5_jax.serve.paged_cache import PageAllocator, page_hashes
-from glm5_jax.serve.types import QueueFullError
+from glm5_jax.engine.paged_cache import PageAllocator, page_hashes
+from glm5_jax.engine.types import QueueFullError
 
 
 @dataclasses.dataclass(eq=False)

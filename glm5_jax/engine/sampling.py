@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from glm5_jax.serve.types import InvalidRequestError, SamplingParams
+from glm5_jax.engine.types import InvalidRequestError, SamplingParams
 
 PRNG_IMPL = "threefry2x32"
 _SEED_MASK = (1 << 64) - 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.serve.sampling import PRNG_IMPL, categorical
+from glm5_jax.engine.sampling import PRNG_IMPL, categorical
 
 # fold_in tags: the acceptance uniforms and the next-token draw use independent streams of a row's key.
 _ACCEPT_STREAM = 0

@@ -8,7 +8,7 @@ device programs the engine calls (no scheduling decisions).
   once. Pages for those steps are reserved by the scheduler beforehand. `launch_decode` only
   dispatches (the engine prepares the next call meanwhile); a continuation starts from the
   previous call's device state, so back-to-back calls need no host round trip in between.
-- `launch_speculative`: the same, in rounds of MTP speculative decoding (glm5_jax/serve/
+- `launch_speculative`: the same, in rounds of MTP speculative decoding (glm5_jax/engine/
   speculative.py): the MTP layer drafts, one chunk per row verifies, up to N + 1 tokens per round.
 Shapes come from a few fixed buckets (decode rows: powers of two up to max_slots; chunk
 geometries of one token budget; block tables padded to max_pages), so steady state compiles
@@ -25,6 +25,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.engine.grammar import ALL_ALLOWED, apply_allowed_bits, bitmask_words
+from glm5_jax.engine.sampling import (
+    SamplingState,
+    init_sampling_state,
+    put_slot_rows,
+    sample,
+    set_slot,
+    slot_rows,
+)
+from glm5_jax.engine.speculative import DraftState, init_draft_state, mtp_after_step, speculative_loop
+from glm5_jax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.paged_decode import (
     DEFAULT_BLOCK_POSITIONS,
@@ -38,17 +49,6 @@ from glm5_jax.model.paged_decode import (
 from glm5_jax.model.transformer import param_logical_axes
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.sharding import SERVING_RULES, activate, replicated, serving_param_shardings
-from glm5_jax.serve.grammar import ALL_ALLOWED, apply_allowed_bits, bitmask_words
-from glm5_jax.serve.sampling import (
-    SamplingState,
-    init_sampling_state,
-    put_slot_rows,
-    sample,
-    set_slot,
-    slot_rows,
-)
-from glm5_jax.serve.speculative import DraftState, init_draft_state, mtp_after_step, speculative_loop
-from glm5_jax.serve.types import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_IDS = 16  # stop token ids the device checks per row (the host re-checks all of them)
 

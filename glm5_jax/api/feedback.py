@@ -10,10 +10,10 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from glm5_jax.api.errors import APIError
 from glm5_jax.chat.feedback_log import FeedbackLog
-from glm5_jax.serve.errors import APIError
-from glm5_jax.serve.textstream import Piece
-from glm5_jax.serve.types import SamplingParams, shown
+from glm5_jax.engine.textstream import Piece
+from glm5_jax.engine.types import SamplingParams, shown
 
 logger = logging.getLogger(__name__)
 

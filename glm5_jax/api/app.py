@@ -30,40 +30,40 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from glm5_jax.chat.feedback_log import LONE_SURROGATE, FeedbackLog
-from glm5_jax.chat.reasoning import REASONING_PARSERS, ReasoningParser, starts_in_reasoning
-from glm5_jax.chat.template import ChatRenderer
-from glm5_jax.chat.tool_calls import ToolCallParser
-from glm5_jax.serve.accounting import AccountedGeneration
-from glm5_jax.serve.chat_constraints import (
+from glm5_jax.api.accounting import AccountedGeneration
+from glm5_jax.api.chat_constraints import (
     InvalidFieldError,
     output_constraint,
     plan_tools,
     response_format_constraint,
 )
-from glm5_jax.serve.chat_output import ChatOutput, message
-from glm5_jax.serve.choices import Choices, respond
-from glm5_jax.serve.errors import APIError, add_error_handlers, shutting_down_error
-from glm5_jax.serve.feedback import FeedbackRequest, answer_feedback, recording
-from glm5_jax.serve.limits import RateLimited, RateLimiter, Reservation
-from glm5_jax.serve.logprobs import (
+from glm5_jax.api.chat_output import ChatOutput, message
+from glm5_jax.api.choices import Choices, respond
+from glm5_jax.api.errors import APIError, add_error_handlers, shutting_down_error
+from glm5_jax.api.feedback import FeedbackRequest, answer_feedback, recording
+from glm5_jax.api.limits import RateLimited, RateLimiter, Reservation
+from glm5_jax.api.logprobs import (
     chat_logprobs,
     completion_logprobs,
     joined,
     prompt_completion_logprobs,
     token_text,
 )
-from glm5_jax.serve.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
-from glm5_jax.serve.protocol import (
+from glm5_jax.api.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
+from glm5_jax.api.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
     SamplingRequest,
     TokenizeRequest,
 )
-from glm5_jax.serve.server_config import ApiKey, ServerConfig
-from glm5_jax.serve.textstream import Piece
-from glm5_jax.serve.types import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams, shown
+from glm5_jax.api.server_config import ApiKey, ServerConfig
+from glm5_jax.chat.feedback_log import LONE_SURROGATE, FeedbackLog
+from glm5_jax.chat.reasoning import REASONING_PARSERS, ReasoningParser, starts_in_reasoning
+from glm5_jax.chat.template import ChatRenderer
+from glm5_jax.chat.tool_calls import ToolCallParser
+from glm5_jax.engine.textstream import Piece
+from glm5_jax.engine.types import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams, shown
 
 MAX_COMPLETION_LOGPROBS = 5  # the OpenAI limit for /v1/completions; chat allows top_logprobs up to 20
 MAX_CHOICES = 16  # n; each choice is an engine request of its own

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 
-from glm5_jax.serve.types import GenerationEvent, SamplingParams
+from glm5_jax.engine.types import GenerationEvent, SamplingParams
 
 
 class Detokenizer:

@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from glm5_jax.serve.accounting import AccountedGeneration
-from glm5_jax.serve.errors import APIError, error_body, internal_error_message, shutting_down_error
-from glm5_jax.serve.limits import Reservation
-from glm5_jax.serve.textstream import Piece
-from glm5_jax.serve.types import SHUTTING_DOWN, GenerationEvent
+from glm5_jax.api.accounting import AccountedGeneration
+from glm5_jax.api.errors import APIError, error_body, internal_error_message, shutting_down_error
+from glm5_jax.api.limits import Reservation
+from glm5_jax.engine.textstream import Piece
+from glm5_jax.engine.types import SHUTTING_DOWN, GenerationEvent
 
 logger = logging.getLogger(__name__)
 

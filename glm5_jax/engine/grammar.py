@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import tokenizers
 
-from glm5_jax.serve.types import Constraint, InvalidRequestError
+from glm5_jax.engine.types import Constraint, InvalidRequestError
 
 ALL_ALLOWED = -1  # an int32 word with every bit set
 # JSON as `json.dumps(..., separators=(",", ":"))` writes it: no token is spent on whitespace.

@@ -1,7 +1,7 @@
 """Engine lifecycle hooks: the engine calls these; subclasses record metrics.
 
 Every method is a no-op here so the engine can always call them; the HTTP layer subclasses
-EngineObserver (Prometheus metrics in glm5_jax/serve/metrics.py). Methods are called from the
+EngineObserver (Prometheus metrics in glm5_jax/api/metrics.py). Methods are called from the
 engine's scheduler thread, so they must be quick and must not raise.
 """
 

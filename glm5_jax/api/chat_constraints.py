@@ -28,7 +28,7 @@ from typing import Any
 
 from glm5_jax.chat.reasoning import THINK_END
 from glm5_jax.chat.tool_calls import CALL_END, CALL_START
-from glm5_jax.serve.types import Constraint, InvalidRequestError, shown
+from glm5_jax.engine.types import Constraint, InvalidRequestError, shown
 
 _META = frozenset("\\.^$|?*+()[]{}")
 # OpenAI's rule (letters, digits, "_", "-"; at most 64) plus "." and ":" (MCP-style names): no

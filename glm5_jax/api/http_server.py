@@ -4,7 +4,7 @@
   connecting, or of its first byte of a later request; else it is answered 408 and closed
   (uvicorn has no such deadline: partial-header connections stayed open for ever). Idle
   keep-alive connections close after uvicorn's `timeout_keep_alive`; a body that stalls is the
-  app's to time out (api.py answers 408).
+  app's to time out (app.py answers 408).
 - A connection limit: past `limit_concurrency` open connections (or running requests) uvicorn
   answers 503 at once, and the process' open-file limit is raised to its hard limit.
 - Graceful drain: SIGTERM (or Ctrl-C) stops accepting connections, refuses new requests and ends

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from glm5_jax.serve.types import (
+from glm5_jax.engine.types import (
     EngineUnavailableError,
     InvalidRequestError,
     QueueFullError,
