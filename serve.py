@@ -252,7 +252,8 @@ def main(argv=None) -> int:
     server_config = read_server_config(args.server_config)  # before the slow model load
     feedback_log = open_feedback_log(args.feedback_dir)
     # Imported here: loading JAX and the model is slow, and `--help` should not need it.
-    from glm5_jax.api.app import DEFAULT_MAX_BODY_BYTES, create_app
+    from glm5_jax.api.app import create_app
+    from glm5_jax.api.body import DEFAULT_MAX_BODY_BYTES
     from glm5_jax.api.http_server import make_server, raise_open_file_limit
     from glm5_jax.api.metrics import ServerMetrics
     from glm5_jax.chat.template import load_chat_template, load_special_tokens

@@ -3,7 +3,7 @@
 Shared by tests/test_serve_e2e.py (a small hypothesis budget against its real server) and
 bench/fuzz_serve.py (thousands of requests, concurrent). Bodies come from the request models' own
 JSON schemas (glm5_jax/api/protocol.py, feedback_log.FeedbackRequest) through
-hypothesis-jsonschema: the app parses bodies itself (api._parse), so FastAPI's OpenAPI schema has
+hypothesis-jsonschema: the app parses bodies itself (api/body.py), so FastAPI's OpenAPI schema has
 none. A few fields are narrowed so that generated requests reach the engine often and stay cheap
 (model ids the server serves, token ids inside the vocabulary, max_tokens <= 8); hostile values
 come on top: one field of a generated body replaced by a wrong type, a lone surrogate, an extreme

@@ -12,7 +12,8 @@ import httpx
 import pytest
 from fake_engine import FakeEngine, make_tokenizer, running
 
-from glm5_jax.api.app import MAX_JSON_DEPTH, create_app
+from glm5_jax.api.app import create_app
+from glm5_jax.api.body import MAX_JSON_DEPTH
 from glm5_jax.api.server_config import parse_server_config
 
 pytestmark = pytest.mark.xdist_group("api_hostile")

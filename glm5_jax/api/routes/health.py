@@ -1,0 +1,29 @@
+"""GET /health and GET /metrics: for load balancers, supervisors and scrapers (no API key: they sit
+next to the server, docs/serving.md)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from glm5_jax.api.metrics import CONTENT_TYPE
+from glm5_jax.api.state import Shared
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: Shared):
+    engine = state.engine
+    if engine.failure is not None:  # for load balancers and supervisors: take this one out
+        return JSONResponse({"status": "unavailable", "reason": engine.failure}, status_code=503)
+    if getattr(engine, "draining", False):
+        return JSONResponse({"status": "draining"}, status_code=503)
+    # The compile count shows recompilation in steady state (it should stop growing).
+    return {"status": "ok", "compile_count": engine.compile_count}
+
+
+@router.get("/metrics")
+async def prometheus_metrics(state: Shared):
+    state.metrics.compile_count.set(state.engine.compile_count)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
