@@ -3,8 +3,8 @@
 The engine runs S request slots at once; each slot holds its own request's sampling
 parameters, PRNG key and token history in a `SamplingState` of device arrays, so one compiled
 `sample` call turns the model's [S, V] logits into one token per slot with no Python loop over
-slots. `set_slot` installs a new request into a slot between steps (a small jitted update, the
-slot index traced so it never recompiles per slot).
+slots. `set_slot` installs a new request's `SlotOptions` (its options by name) into a slot between
+steps (a small jitted update, the slot index traced so it never recompiles per slot).
 
 Per slot, `sample` follows vLLM's order: repetition penalty (HF style, on tokens in the prompt or
 the output so far), presence / frequency penalties (OpenAI style, on the output so far),
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +34,36 @@ PRNG_IMPL = "threefry2x32"
 _SEED_MASK = (1 << 64) - 1
 
 
+class SlotOptions(NamedTuple):
+    """A slot's sampling options by name, the per-slot fields of SamplingState that `set_slot`
+    installs: scalars for one slot (float32; top_k int32, 0 = off), or [S] arrays for all slots."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+
+    @classmethod
+    def of(cls, params: SamplingParams, vocab_size: int) -> SlotOptions:
+        """One slot's options from (validated) params, top_k capped at the vocabulary."""
+        f32 = np.float32
+        return cls(temperature=f32(params.temperature), top_p=f32(params.top_p),
+                   top_k=np.int32(min(params.top_k, vocab_size)), min_p=f32(params.min_p),
+                   repetition_penalty=f32(params.repetition_penalty),
+                   presence_penalty=f32(params.presence_penalty),
+                   frequency_penalty=f32(params.frequency_penalty))
+
+
 @struct.dataclass
 class SamplingState:
     """Per-slot sampling parameters and history for S slots over a vocabulary of V tokens.
 
     temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty: [S] f32.
-    top_k: [S] int32 (0 = off). keys: [S, 2] uint32, threefry2x32 key data (one key per slot).
+    top_k: [S] int32 (0 = off); these are SlotOptions' fields, by the same names.
+    keys: [S, 2] uint32, threefry2x32 key data (one key per slot).
     output_counts: [S, V] int32, how often each token has been generated in the slot's request.
     prompt_mask: [S, V] bool, True for tokens present in the slot's prompt.
     Neutral values (see `init_sampling_state`) leave the logits unchanged and sample at T = 1.
@@ -114,17 +139,11 @@ def make_keys(seeds: Sequence[int]) -> jax.Array:
 
 
 @jax.jit
-def _set_slot(state: SamplingState, slot: jax.Array, floats: jax.Array, top_k: jax.Array,
-              prompt_row: jax.Array, seed_high: jax.Array, seed_low: jax.Array) -> SamplingState:
-    """floats: [6] f32 = (temperature, top_p, min_p, repetition, presence, frequency)."""
+def _set_slot(state: SamplingState, slot: jax.Array, options: SlotOptions, prompt_row: jax.Array,
+              seed_high: jax.Array, seed_low: jax.Array) -> SamplingState:
+    """Writes one slot's options (scalars), prompt mask [V] and key; resets its output counts."""
     return state.replace(
-        temperature=state.temperature.at[slot].set(floats[0]),
-        top_p=state.top_p.at[slot].set(floats[1]),
-        min_p=state.min_p.at[slot].set(floats[2]),
-        repetition_penalty=state.repetition_penalty.at[slot].set(floats[3]),
-        presence_penalty=state.presence_penalty.at[slot].set(floats[4]),
-        frequency_penalty=state.frequency_penalty.at[slot].set(floats[5]),
-        top_k=state.top_k.at[slot].set(top_k),
+        **{name: getattr(state, name).at[slot].set(value) for name, value in options._asdict().items()},
         keys=state.keys.at[slot].set(_key_from_halves(seed_high, seed_low)),
         output_counts=state.output_counts.at[slot].set(0),
         prompt_mask=state.prompt_mask.at[slot].set(prompt_row),
@@ -150,11 +169,8 @@ def set_slot(state: SamplingState, slot: int, params: SamplingParams, prompt_ids
                                   f"{int(ids.min())}..{int(ids.max())}")
     prompt_row = np.zeros((vocab_size,), np.bool_)
     prompt_row[ids] = True
-    floats = np.array([params.temperature, params.top_p, params.min_p, params.repetition_penalty,
-                       params.presence_penalty, params.frequency_penalty], np.float32)
-    top_k = np.int32(min(params.top_k, vocab_size))
     high, low = _split_seeds([seed])
-    return _set_slot(state, np.int32(slot), floats, top_k, prompt_row, high[0], low[0])
+    return _set_slot(state, np.int32(slot), SlotOptions.of(params, vocab_size), prompt_row, high[0], low[0])
 
 
 def apply_penalties(logits: jax.Array, state: SamplingState) -> jax.Array:
