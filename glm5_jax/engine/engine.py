@@ -4,9 +4,10 @@ on the model runner and turns sampled tokens into request events.
 Layers: `glm5_jax.engine.scheduler` decides what each step computes (pure Python: admission,
 chunked prefill, preemption, prefix cache, pages); `glm5_jax.engine.runner` owns the device state
 and runs the jitted programs (a mixed prefill/decode step, or several decode steps in one call);
-this module owns requests: it validates and queues them, applies each plan, checks EOS, stop
-token ids and lengths on the host (tokens a multi-step call produced past a request's end are
-discarded, never sent) and delivers events to the request's asyncio stream.
+`glm5_jax.engine.batches` turns a plan into the runner's host arrays; this module owns requests:
+it validates and queues them, applies each plan, checks EOS, stop token ids and lengths on the
+host (tokens a multi-step call produced past a request's end are discarded, never sent) and
+delivers events to the request's asyncio stream.
 
 Overlap: a decode call is dispatched and not waited for. While it runs, the engine plans the
 next call for the same sequences (`Scheduler.continue_decode`), dispatches it behind the first
@@ -40,10 +41,11 @@ import jax
 import numpy as np
 import tokenizers
 
+from glm5_jax.engine.batches import allowed_bits, decode_inputs, mixed_inputs
 from glm5_jax.engine.grammar import ConstrainedOutput, GrammarCompiler
 from glm5_jax.engine.observer import EngineObserver
 from glm5_jax.engine.paged_cache import PageAllocator
-from glm5_jax.engine.runner import MAX_STOP_IDS, DecodeCall, ModelRunner, Sampled
+from glm5_jax.engine.runner import DecodeCall, ModelRunner, Sampled
 from glm5_jax.engine.scheduler import (
     DecodePlan,
     MixedPlan,
@@ -489,11 +491,6 @@ class Engine:
             self.observer.on_preempted(sequence.request_id)
 
     # ------------------------------------------------------------------ plans
-    def _stop_ids(self, sequence: Sequence) -> list[int]:
-        params = sequence.payload.stream.params
-        ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
-        return ids[:MAX_STOP_IDS]
-
     @staticmethod
     def _logprobs_wanted(sequences) -> bool:
         return any(s.payload.stream.params.logprobs is not None for s in sequences)
@@ -510,23 +507,7 @@ class Engine:
         """Dispatches the plan's decode call (speculative rounds when `_speculating`); a
         continuation (`after` the call before it, same rows) takes each row's token, position
         and remaining count from that call's device state."""
-        rows = next(b for b in decode_buckets(self.max_slots) if b >= len(plan.sequences))
-        inputs = self.runner.padding_decode(rows)
-        limits = np.zeros(rows, np.int32)  # positions each row's pages cover (speculation)
-        for row, sequence in enumerate(plan.sequences):
-            inputs["tokens"][row], inputs["positions"][row] = sequence.tokens[-1], sequence.computed
-            inputs["tables"][row], inputs["slots"][row] = self.runner.table(sequence.pages), sequence.slot
-            inputs["remaining"][row] = sequence.max_new - sequence.generated
-            limits[row] = len(sequence.pages) * self.page_size
-            ids = self._stop_ids(sequence)
-            request = sequence.payload
-            if request.constrained is not None:  # (constrained rows never speculate)
-                if request.constrained.active or request.after_token is None:
-                    # The next mask depends on this token (or the host must look for `after`).
-                    inputs["remaining"][row] = min(inputs["remaining"][row], 1)
-                else:  # free until the one-token `after`: the device pauses the row there
-                    ids = [request.after_token] + ids
-            inputs["stop_ids"][row, :len(ids)] = ids[:MAX_STOP_IDS]
+        inputs, limits = decode_inputs(self.runner, plan, self.max_slots, self.page_size, self.eos_token_ids)
         if after is not None:
             inputs.update(tokens=after.tokens, positions=after.positions, remaining=after.remaining)
         logprobs_wanted = self._logprobs_wanted(plan.sequences)
@@ -534,15 +515,7 @@ class Engine:
             return self.runner.launch_speculative(**inputs, limits=limits, steps=plan.steps,
                                                   logprobs_wanted=logprobs_wanted)
         return self.runner.launch_decode(**inputs, steps=plan.steps, logprobs_wanted=logprobs_wanted,
-                                         allowed=self._allowed(plan.sequences, rows))
-
-    def _allowed(self, sequences, rows: int) -> np.ndarray:
-        """The token bitmask of each row's next token [rows, ceil(V/32)] (all set when free)."""
-        allowed = self.runner.free_bits(rows)
-        for row, sequence in enumerate(sequences):
-            if sequence is not None and sequence.payload.constrained is not None:
-                sequence.payload.constrained.fill(allowed[row])
-        return allowed
+                                         allowed=allowed_bits(self.runner, plan.sequences, len(limits)))
 
     @staticmethod
     def _needs_host(plan: DecodePlan) -> bool:
@@ -568,49 +541,12 @@ class Engine:
 
     def _mixed(self, plan: MixedPlan) -> None:
         chunk_len = plan.geometry[1]
-        decode_rows = self.max_slots
-        batch = self.runner.padding_batch(*plan.geometry)
-        sample_rows, slots = np.zeros(self.max_slots, np.int32), np.zeros(self.max_slots, np.int32)
-        mask = np.zeros(self.max_slots, bool)
-        sampled_index = {}
-
-        def sample_from(sequence, flat_row):
-            index = len(sampled_index)
-            sample_rows[index], slots[index], mask[index] = flat_row, sequence.slot, True
-            sampled_index[sequence] = index
-
-        for row, sequence in enumerate(plan.decodes):
-            batch.decode_tokens[row], batch.decode_positions[row] = sequence.tokens[-1], sequence.computed
-            batch.block_tables[row] = self.runner.table(sequence.pages)
-            sample_from(sequence, row)
-        targets = None  # next-token ids of the chunk tokens, when a chunk's prompt is scored
-        # Speculation: the MTP layer's input, each flat token's next token where known (the
-        # sampled ones are filled in on the device).
-        next_tokens = np.full(decode_rows + batch.chunk_tokens.size, -1, np.int32) \
-            if self.speculative_tokens else None
-        for row, (sequence, count) in enumerate(plan.chunks):
-            start = sequence.computed
-            batch.chunk_tokens[row, :count] = sequence.tokens[start:start + count]
-            if next_tokens is not None:
-                known = sequence.tokens[start + 1:start + count + 1]
-                first = decode_rows + row * chunk_len
-                next_tokens[first:first + len(known)] = known
-            batch.chunk_positions[row, :count] = np.arange(start, start + count)
-            batch.block_tables[decode_rows + row] = self.runner.table(sequence.pages)
-            if start + count == len(sequence.tokens) and sequence.max_new > 0:
-                sample_from(sequence, decode_rows + row * chunk_len + count - 1)
-            if sequence.payload.prompt_scores is not None:
-                targets = np.full(batch.chunk_tokens.size, -1, np.int32) if targets is None else targets
-                end = min(start + count, sequence.prompt_tokens - 1)  # positions with a next prompt token
-                first = row * chunk_len
-                targets[first:first + max(0, end - start)] = sequence.tokens[start + 1:end + 1]
-        by_index = [None] * self.max_slots
-        for sequence, index in sampled_index.items():
-            by_index[index] = sequence
-        sampled, scored = self.runner.mixed_step(batch, sample_rows, slots, mask,
+        inputs = mixed_inputs(self.runner, plan, self.max_slots, bool(self.speculative_tokens))
+        sampled_index = inputs.sampled
+        sampled, scored = self.runner.mixed_step(inputs.batch, inputs.sample_rows, inputs.slots, inputs.mask,
                                                  self._logprobs_wanted(sampled_index),
-                                                 self._allowed(by_index, self.max_slots), targets,
-                                                 next_tokens)
+                                                 allowed_bits(self.runner, inputs.by_index, self.max_slots),
+                                                 inputs.targets, inputs.next_tokens)
         with self._lock:
             for sequence in plan.decodes:
                 if sequence.slot is not None:
