@@ -162,3 +162,25 @@ def test_padding_writes_nothing_and_pages_round_trip(tiny_config):
 def test_bad_pool_is_rejected(tiny_config):
     with pytest.raises(ValueError, match="num_pages"):
         init_paged_cache(tiny_config, 0, PAGE)
+
+
+def test_a_new_attention_backend_is_one_module_and_runs_in_forward_and_serving(tiny_config):
+    """The one decoder: tests/toy_attention.py (uniform causal attention) is registered by name
+    and selected by the execution options; `forward` and the paged serving step both run it, and
+    agree, and it is not the reference (the logits differ from the reference backend's)."""
+    from toy_attention import UniformCausalAttention
+
+    from glm5_jax.model.attention import backend_names, register_backend
+
+    register_backend("toy_uniform", UniformCausalAttention())
+    assert "toy_uniform" in backend_names()
+    toy = ExecutionOptions(attention_impl="toy_uniform", decode_attention_impl="toy_uniform")
+    config = tiny_config.replace(num_mtp_layers=0, num_layers=2, indexer_types=["full"] * 2,
+                                 attention_types=["dsa"] * 2)
+    params = perturbed_params(config, 5)
+    sequences = [np.random.default_rng(6).integers(0, config.vocab_size, 11).tolist()]
+    paged, _ = paged_logits(config, params, sequences, (4,), toy)
+    forward = np.asarray(glm5_jax.forward(config, params, np.asarray(sequences), options=toy))[0]
+    np.testing.assert_allclose(paged[0], forward, atol=1e-4, rtol=1e-4)
+    reference = np.asarray(glm5_jax.forward(config, params, np.asarray(sequences)))[0]
+    assert np.max(np.abs(forward - reference)) > 1e-2

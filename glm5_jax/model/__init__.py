@@ -1,4 +1,8 @@
-"""The GLM-5 model: config, layers and the full decoder (see transformer.py)."""
+"""The GLM-5 model: config (config.py) apart from execution options (options.py); layers, MLA,
+DSA, MoE; the one decoder (decoder.py: the layer and the MTP head, pure functions over
+checkpoint-named weights); attention backends by source of keys (attention/); the training
+stack (transformer.py) and the serving forward pass over the page pool (paged_decode.py), both
+composed from decoder.py; the seam into the kernels (kernel_calls.py)."""
 
 from glm5_jax.model.config import ConfigError, ModelConfig, indexer_pattern
 from glm5_jax.model.options import ExecutionOptions

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.model import kernel_calls
-from glm5_jax.model.layers import apply_rope, declare_weight, layer_norm, normal_init
+from glm5_jax.model.layers import WeightSpec, WeightTable, apply_rope, layer_norm, normal_init
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.local import run_local
 
@@ -225,6 +225,10 @@ def selection_mask_local(topk_indices: jax.Array, num_keys: int) -> jax.Array:
                      (kernel_calls.QUERY_ROWS,), kernel_calls.QUERY_ROWS)
 
 
+# The indexer's weights in the order the functions below take them.
+INDEXER_WEIGHT_ORDER = ("wq_b", "wk", "k_norm_scale", "k_norm_bias", "weights_proj")
+
+
 def fused_indexer_topk(x, q_latent, cos, sin, wq_b, wk, k_norm_scale, k_norm_bias, weights_proj,
                        positions, segment_ids, spec: IndexerSpec):
     """`select_topk(indexer_scores(...), base_mask(...))` through the fused Pallas kernel (no [T, S]
@@ -237,63 +241,60 @@ def fused_indexer_topk(x, q_latent, cos, sin, wq_b, wk, k_norm_scale, k_norm_bia
                                      segment_ids, spec.index_topk)
 
 
-class Indexer(nn.Module):
-    """The lightning indexer's weights and its top-k selection."""
-
-    spec: IndexerSpec
-    param_dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, q_latent, cos, sin, allowed, run, previous_indices, positions=None,
-                 segment_ids=None, with_scores: bool = False, with_mask: bool = False):
-        """Selects keys on layers that run the indexer; other layers reuse `previous_indices`.
-
-        x: [B, T, D]; q_latent: [B, T, R]; cos, sin: [B, T, rope_dim/2]; allowed: bool [B, T, S]
-        (impl "reference"; None with impl "pallas", which reads positions, segment_ids [B, T]);
-        run: bool scalar (traced under scan) or a Python bool; previous_indices: [B, T, k].
-        Returns (topk indices [B, T, k] int32, boundary gap [B, T]); see `select_topk`. With
-        with_mask (impl "reference"), also the selection as a mask, `allowed & selected` [B, T, S]
-        (`select_topk_mask`: no sort; the indices, sorted, are then only computed if used). With
-        with_scores (impl "reference"), also the scores [B, T, S] (zeros where the layer reuses),
-        differentiable in the indexer's weights: DSA training's KL (dsa_training.py).
-        """
-        spec = self.spec
-        init = normal_init(spec.initializer_range)
-        heads, dim = spec.index_num_heads, spec.index_head_dim
-        wq_b = declare_weight(self, "wq_b", (spec.q_lora_rank, heads, dim),
-                              ("q_lora", "index_heads", "head_dim"), self.param_dtype, init)
-        wk = declare_weight(self, "wk", (spec.hidden_size, dim), ("embed", "head_dim"),
-                            self.param_dtype, init)
-        k_norm_scale = declare_weight(self, "k_norm_scale", (dim,), ("norm",), self.param_dtype,
-                                      nn.initializers.ones)
-        k_norm_bias = declare_weight(self, "k_norm_bias", (dim,), ("norm",), self.param_dtype,
-                                     nn.initializers.zeros)
+def indexer_weights(spec: IndexerSpec, param_dtype) -> WeightTable:
+    """The lightning indexer's weights (checkpoint names under attention/indexer/); the selection
+    is the attention backend's (`select_keys` over a sequence, attention/pages.py over pages)."""
+    init = normal_init(spec.initializer_range)
+    heads, dim = spec.index_num_heads, spec.index_head_dim
+    return {
+        "wq_b": WeightSpec((spec.q_lora_rank, heads, dim), ("q_lora", "index_heads", "head_dim"),
+                           param_dtype, init),
+        "wk": WeightSpec((spec.hidden_size, dim), ("embed", "head_dim"), param_dtype, init),
+        "k_norm_scale": WeightSpec((dim,), ("norm",), param_dtype, nn.initializers.ones),
+        "k_norm_bias": WeightSpec((dim,), ("norm",), param_dtype, nn.initializers.zeros),
         # Kept in float32, as in the reference (its output weighs the heads' scores).
-        weights_proj = declare_weight(self, "weights_proj", (spec.hidden_size, heads),
-                                      ("embed", "index_heads"), jnp.float32, init)
+        "weights_proj": WeightSpec((spec.hidden_size, heads), ("embed", "index_heads"), jnp.float32, init),
+    }
 
-        def run_indexer():
-            # The indexer is not trained by the language-model loss (the reference runs it
-            # under no_grad); its output is a discrete selection anyway.
-            if spec.impl == "pallas":
-                return fused_indexer_topk(jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), cos,
-                                          sin, wq_b, wk, k_norm_scale, k_norm_bias, weights_proj,
-                                          positions, segment_ids, spec)
-            scores = indexer_scores(
-                jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), cos, sin, wq_b, wk,
-                k_norm_scale, k_norm_bias, weights_proj, rope_dim=spec.qk_rope_head_dim,
-                norm_eps=spec.index_norm_eps)
-            indices, gap = select_topk_local(scores, allowed, spec.index_topk)
-            if with_mask:
-                mask, gap = select_topk_mask_local(scores, allowed, spec.index_topk)
-            return (indices, gap) + ((mask,) if with_mask else ()) + ((scores,) if with_scores else ())
 
-        def reuse_previous():
-            reused = previous_indices, jnp.full(x.shape[:2], jnp.inf, jnp.float32)
-            if with_mask:
-                reused += (allowed & selection_mask_local(previous_indices, allowed.shape[-1]),)
-            return (*reused, jnp.zeros(allowed.shape, jnp.float32)) if with_scores else reused
+def select_keys(weights: dict, spec: IndexerSpec, x, q_latent, cos, sin, allowed, run,
+                previous_indices, positions=None, segment_ids=None, with_scores: bool = False,
+                with_mask: bool = False):
+    """The indexer's top-k over a whole sequence on layers that run it; other layers reuse
+    `previous_indices`.
 
-        if isinstance(run, bool):
-            return run_indexer() if run else reuse_previous()
-        return jax.lax.cond(run, run_indexer, reuse_previous)
+    weights: `indexer_weights`' names; x: [B, T, D]; q_latent: [B, T, R]; cos, sin: [B, T,
+    rope_dim/2]; allowed: bool [B, T, S] (impl "reference"; None with impl "pallas", which reads
+    positions, segment_ids [B, T]); run: bool scalar (traced under scan) or a Python bool;
+    previous_indices: [B, T, k].
+    Returns (topk indices [B, T, k] int32, boundary gap [B, T]); see `select_topk`. With
+    with_mask (impl "reference"), also the selection as a mask, `allowed & selected` [B, T, S]
+    (`select_topk_mask`: no sort; the indices, sorted, are then only computed if used). With
+    with_scores (impl "reference"), also the scores [B, T, S] (zeros where the layer reuses),
+    differentiable in the indexer's weights: DSA training's KL (dsa_training.py).
+    """
+    ordered = tuple(weights[name] for name in INDEXER_WEIGHT_ORDER)
+
+    def run_indexer():
+        # The indexer is not trained by the language-model loss (the reference runs it
+        # under no_grad); its output is a discrete selection anyway.
+        if spec.impl == "pallas":
+            return fused_indexer_topk(jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), cos,
+                                      sin, *ordered, positions, segment_ids, spec)
+        scores = indexer_scores(
+            jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), cos, sin, *ordered,
+            rope_dim=spec.qk_rope_head_dim, norm_eps=spec.index_norm_eps)
+        indices, gap = select_topk_local(scores, allowed, spec.index_topk)
+        if with_mask:
+            mask, gap = select_topk_mask_local(scores, allowed, spec.index_topk)
+        return (indices, gap) + ((mask,) if with_mask else ()) + ((scores,) if with_scores else ())
+
+    def reuse_previous():
+        reused = previous_indices, jnp.full(x.shape[:2], jnp.inf, jnp.float32)
+        if with_mask:
+            reused += (allowed & selection_mask_local(previous_indices, allowed.shape[-1]),)
+        return (*reused, jnp.zeros(allowed.shape, jnp.float32)) if with_scores else reused
+
+    if isinstance(run, bool):
+        return run_indexer() if run else reuse_previous()
+    return jax.lax.cond(run, run_indexer, reuse_previous)

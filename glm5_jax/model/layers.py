@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from glm5_jax.quant.formats import dequantize, is_quantized
+from glm5_jax.quant.matmul import linear
 
 
 def declare_weight(module: nn.Module, name: str, shape: tuple[int, ...],
@@ -42,6 +44,89 @@ def declare_weight(module: nn.Module, name: str, shape: tuple[int, ...],
 
 def normal_init(stddev: float):
     return nn.initializers.normal(stddev=stddev)
+
+
+class WeightSpec(NamedTuple):
+    """One weight of a table: its shape, logical axes, storage dtype and initializer."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    dtype: Any
+    init: Callable
+
+
+# A weight table: {checkpoint name: WeightSpec or a nested table}, in declaration order (Flax
+# draws each scope's initial values in that order). Each component states its own (mla.py,
+# dsa.py, moe.py, decoder.py); the training modules declare them, the math reads the same names.
+WeightTable = dict[str, Any]
+
+
+def declare_table(module: nn.Module, table: WeightTable) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Declares every weight of `table` on `module` (nested tables as child `Weights` modules of
+    those names). Returns (the weights as a plain nested dict with the same names, the child
+    scopes {name: (module, its scopes)} for `sow_tree`)."""
+    weights, scopes = {}, {}
+    for name, entry in table.items():
+        if isinstance(entry, WeightSpec):
+            weights[name] = declare_weight(module, name, *entry)
+        else:
+            child = Weights(entry, name=name)
+            weights[name], inner = child()
+            scopes[name] = (child, inner)
+    return weights, scopes
+
+
+def sow_tree(module: nn.Module, scopes: dict[str, Any], values: dict[str, Any]) -> None:
+    """Sows {name: value, child: {...}} as intermediates of `module` and of its child scopes
+    (`declare_table`'s), so diagnostics land beside the weights of the part that made them."""
+    for name, value in values.items():
+        if isinstance(value, dict):
+            child, inner = scopes[name]
+            sow_tree(child, inner, value)
+        else:
+            module.sow("intermediates", name, value)
+
+
+class Weights(nn.Module):
+    """A scope that declares a weight table (`declare_table`)."""
+
+    table: WeightTable
+
+    @nn.compact
+    def __call__(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return declare_table(self, self.table)
+
+
+def norm_weights(size: int, dtype) -> WeightTable:
+    return {"scale": WeightSpec((size,), ("norm",), dtype, nn.initializers.ones)}
+
+
+def mlp_weights(hidden_size: int, intermediate_size: int, initializer_range: float, dtype) -> WeightTable:
+    """The SwiGLU MLP's weights (dense layers and the shared expert)."""
+    init = normal_init(initializer_range)
+    shape_in = (hidden_size, intermediate_size)
+    return {"gate_proj": WeightSpec(shape_in, ("embed", "mlp"), dtype, init),
+            "up_proj": WeightSpec(shape_in, ("embed", "mlp"), dtype, init),
+            "down_proj": WeightSpec(shape_in[::-1], ("mlp", "embed"), dtype, init)}
+
+
+def dense(x: jax.Array, weight, impl: str = "dequantize") -> jax.Array:
+    """x [..., I] . weight [I, O] -> [..., O] in x's dtype: a float weight cast to x's dtype
+    through `project` (training's mixed-precision backward), a QuantizedTensor through
+    glm5_jax.quant.matmul.linear (`impl`: it may stay quantized)."""
+    if is_quantized(weight):
+        return linear(x, weight, impl, x.dtype)
+    return project(x, weight.astype(x.dtype))
+
+
+def weight_product(spec: str, x: jax.Array, weight, impl: str = "dequantize") -> jax.Array:
+    """einsum `spec` (x's axes, the weight's, the output's; e.g. "BTR,RNH->BTNH") in x's dtype,
+    for weights of several input or output axes: a float weight through `mixed_einsum`, a
+    QuantizedTensor through glm5_jax.quant.matmul.linear (`impl`)."""
+    if is_quantized(weight):
+        x_axes, w_axes = spec.split("->")[0].split(",")
+        return linear(x, weight, impl, x.dtype, in_ndim=len(set(x_axes) & set(w_axes)))
+    return mixed_einsum(spec, x, weight.astype(x.dtype))
 
 
 def mixed_einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
@@ -190,48 +275,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
-def swiglu_mlp(x: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
-               down_proj: jax.Array, matmul: Callable | None = None) -> jax.Array:
-    """down(silu(x gate) * (x up)). x: [..., D]; gate/up: [D, F]; down: [F, D] -> [..., D].
-
-    matmul(x, weight) -> x . weight in x's dtype, for weights that stay quantized (the serving
-    step passes glm5_jax.quant.matmul.linear); default: cast the weight, then `project`."""
-    dtype = x.dtype
-    if matmul is not None:
-        return matmul(jax.nn.silu(matmul(x, gate_proj)) * matmul(x, up_proj), down_proj)
-    gate = project(x, gate_proj.astype(dtype))
-    up = project(x, up_proj.astype(dtype))
-    return project(jax.nn.silu(gate) * up, down_proj.astype(dtype))
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward block (the dense layers and the shared expert)."""
-
-    hidden_size: int
-    intermediate_size: int
-    initializer_range: float
-    param_dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [B, T, D] -> [B, T, D]."""
-        init = normal_init(self.initializer_range)
-        shape_in = (self.hidden_size, self.intermediate_size)
-        gate = declare_weight(self, "gate_proj", shape_in, ("embed", "mlp"), self.param_dtype, init)
-        up = declare_weight(self, "up_proj", shape_in, ("embed", "mlp"), self.param_dtype, init)
-        down = declare_weight(self, "down_proj", shape_in[::-1], ("mlp", "embed"),
-                              self.param_dtype, init)
-        return swiglu_mlp(x, gate, up, down)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm with a learned scale (leaf named `scale`)."""
-
-    eps: float
-    param_dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = declare_weight(self, "scale", (x.shape[-1],), ("norm",), self.param_dtype,
-                               nn.initializers.ones)
-        return rms_norm(x, scale, self.eps)
+def swiglu_mlp(x: jax.Array, weights: dict[str, Any], impl: str = "dequantize") -> jax.Array:
+    """down(silu(x gate) * (x up)). x: [..., D]; weights: gate_proj, up_proj [D, F], down_proj
+    [F, D] (`mlp_weights`; float or quantized, see `dense`) -> [..., D]."""
+    gate, up = dense(x, weights["gate_proj"], impl), dense(x, weights["up_proj"], impl)
+    return dense(jax.nn.silu(gate) * up, weights["down_proj"], impl)

@@ -1,47 +1,36 @@
-"""Multi-head Latent Attention (MLA) with DSA or sliding-window key selection.
+"""Multi-head Latent Attention (MLA): the projections, the attention math and its weights.
 
 Query path: r = RMS(u Wqa) (q_lora_rank wide); q = r Wqb -> [N, nope + rope].
 KV path:    c = u Wkva; latent = RMS(c[:kv_lora_rank]); k_rope = c[kv_lora_rank:] (one head);
             [k_nope, v] = latent Wkvb per head; K = [k_nope, k_rope broadcast over heads].
 Scores Q.K / sqrt(qk_head_dim), softmax in float32 over the allowed keys, o = P V, out = o Wo.
-With attention_impl="pallas" the same attention runs through kernels_pallas (gathered top-k
-attention in the absorbed form on DSA layers, flash attention on sliding-window layers).
-
-Context parallelism (a mesh `context` axis; the `length` rule): each device holds a slice of the
-sequence. Queries, masks, scores and outputs keep that slice; the keys' side is all-gathered
-where it is smallest: the per-token latent and rope key (kv_lora_rank + rope = 576 values for
-GLM-5) and the indexer keys (index_head_dim), expanded into per-head keys and values locally.
-Positions are the batch's global ones, so RoPE and the causal mask need nothing else.
+`mla_attention` composes a layer's attention: the projections here, then the source of keys and
+its backend (glm5_jax/model/attention: the sequence or the page pool; which keys a DSA or
+sliding-window layer sees), then o_proj.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.model import kernel_calls
-from glm5_jax.model.dsa import (
-    Indexer,
-    IndexerSpec,
-    base_mask,
-    query_slice,
-    sliding_window_mask,
-    whole_sequence,
-)
-from glm5_jax.model.dsa_training import attention_target, indexer_kl
+from glm5_jax.model.attention import get_backend
+from glm5_jax.model.dsa import IndexerSpec, indexer_weights
 from glm5_jax.model.layers import (
+    WeightSpec,
+    WeightTable,
     apply_rope,
-    declare_weight,
+    dense,
     mixed_einsum,
     normal_init,
-    project,
     rms_norm,
     rope_angles,
+    weight_product,
 )
-from glm5_jax.parallel import constrain, shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +52,10 @@ class AttentionSpec:
     attention_impl: str = "reference"
     dsa_stage: str = "off"  # DSA training (dsa_training.py): "off", "dense_warmup" or "sparse"
     causal_block_size: int = 0  # ExecutionOptions.causal_block_size (`attend_causal_blocks`)
+    # The backend over the serving step's page pool (glm5_jax.model.attention): "reference" or "pallas".
+    decode_attention_impl: str = "reference"
+    # How weights that stay quantized are multiplied (glm5_jax.quant.matmul.IMPLS; serving only).
+    quantized_matmul: str = "dequantize"
 
     @property
     def qk_head_dim(self) -> int:
@@ -114,18 +107,19 @@ def attend_with(probs: jax.Array, value: jax.Array) -> jax.Array:
     return mixed_einsum("BNTS,BSNH->BTNH", probs.astype(value.dtype), value)
 
 
-def query_path(x, q_a_proj, q_a_norm, q_b_proj, eps: float, nope_dim: int):
+def query_path(x, q_a_proj, q_a_norm, q_b_proj, eps: float, nope_dim: int, impl: str = "dequantize"):
     """x: [B, T, D] -> (q_latent [B, T, Rq] normalised, q_nope [B, T, N, nope], q_rope [B, T, N, rope]
-    not yet rotated). Weights: q_a_proj [D, Rq], q_a_norm [Rq], q_b_proj [Rq, N, nope + rope]."""
-    q_latent = rms_norm(project(x, q_a_proj), q_a_norm, eps)
-    query = mixed_einsum("BTR,RNH->BTNH", q_latent, q_b_proj)
+    not yet rotated). Weights: q_a_proj [D, Rq], q_a_norm [Rq], q_b_proj [Rq, N, nope + rope]
+    (float, or quantized and multiplied by `impl`: glm5_jax.quant.matmul)."""
+    q_latent = rms_norm(dense(x, q_a_proj, impl), q_a_norm, eps)
+    query = weight_product("BTR,RNH->BTNH", q_latent, q_b_proj, impl)
     return q_latent, query[..., :nope_dim], query[..., nope_dim:]
 
 
-def kv_latent(x, kv_a_proj, kv_a_norm, kv_lora_rank: int, eps: float):
+def kv_latent(x, kv_a_proj, kv_a_norm, kv_lora_rank: int, eps: float, impl: str = "dequantize"):
     """x: [B, S, D] -> (latent [B, S, Rkv] normalised, k_rope [B, S, rope] not yet rotated): the
     per-token quantities a decode cache keeps. kv_a_proj: [D, Rkv + rope]; kv_a_norm: [Rkv]."""
-    compressed = project(x, kv_a_proj)
+    compressed = dense(x, kv_a_proj, impl)
     return rms_norm(compressed[..., :kv_lora_rank], kv_a_norm, eps), compressed[..., kv_lora_rank:]
 
 
@@ -156,137 +150,66 @@ def absorbed_attention(q_nope, q_rope, latent, k_rope, kv_b_proj, allowed):
     return jnp.einsum("BTNR,RNH->BTNH", context, kv_b_proj[..., nope_dim:])
 
 
-def sparse_latent_attention(q_nope, q_rope, latent, k_rope, kv_b_proj, indices, positions, segment_ids):
-    """DSA attention over each query's selected keys only (kernels_pallas.sparse_attention), in the
-    absorbed form: Wkvb's key half folded into the query, its value half applied to the context.
+def attention_weights(spec: AttentionSpec, param_dtype) -> WeightTable:
+    """One MLA layer's weights (checkpoint names under attention/), the indexer's included."""
+    init = normal_init(spec.initializer_range)
+    ones = nn.initializers.ones
+    heads = spec.num_heads
 
-    q_nope: [B, T, N, nope]; q_rope: [B, T, N, rope] (rotated); latent: [B, S, Rkv];
-    k_rope: [B, S, rope] (rotated); kv_b_proj: [Rkv, N, nope + Hv]; indices: [B, T, K];
-    positions, segment_ids: [B, T]. Returns [B, T, N, Hv], equal to `attend` with the
-    causal & same-document & selected mask.
-    """
-    nope_dim = q_nope.shape[-1]
-    q_absorbed = jnp.einsum("BTNH,RNH->BTNR", q_nope, kv_b_proj[..., :nope_dim])  # [B, T, N, Rkv]
-    context = kernel_calls.sparse_attention(q_absorbed, q_rope, latent, k_rope, indices, positions,
-                                            segment_ids, scale=(nope_dim + q_rope.shape[-1]) ** -0.5)
-    return jnp.einsum("BTNR,RNH->BTNH", context, kv_b_proj[..., nope_dim:])
+    def weight(shape, axes, initializer=init):
+        return WeightSpec(shape, axes, param_dtype, initializer)
 
-
-def pallas_attention(spec: AttentionSpec, q_nope, q_rope, latent, k_rope, kv_b_proj, indices, positions,
-                     segment_ids, sliding):
-    """attention_impl="pallas": sparse attention on DSA layers, flash attention on sliding-window
-    layers (`sliding`: Python bool, or a traced bool under a scanned stack of mixed layers).
-    Shapes as `sparse_latent_attention`. Returns [B, T, N, Hv]."""
-    def dsa():
-        return sparse_latent_attention(q_nope, q_rope, latent, k_rope, kv_b_proj, indices, positions,
-                                       segment_ids)
-
-    def window():
-        key, value = expand_latent(latent, k_rope, kv_b_proj, q_nope.shape[-1])
-        query = jnp.concatenate([q_nope, q_rope], axis=-1)
-        out = kernel_calls.flash_attention(query, key, value, positions, segment_ids, spec.sliding_window)
-        return out.astype(value.dtype)
-
-    if spec.sliding_window == 0 or sliding is False:
-        return dsa()
-    if sliding is True:
-        return window()
-    return jax.lax.cond(sliding, window, dsa)
+    return {
+        "q_a_proj": weight((spec.hidden_size, spec.q_lora_rank), ("embed", "q_lora")),
+        "q_a_norm": weight((spec.q_lora_rank,), ("norm",), ones),
+        "q_b_proj": weight((spec.q_lora_rank, heads, spec.qk_head_dim),
+                           ("q_lora", "heads", "head_dim")),
+        "kv_a_proj": weight((spec.hidden_size, spec.kv_lora_rank + spec.qk_rope_head_dim),
+                            ("embed", "kv_lora")),
+        "kv_a_norm": weight((spec.kv_lora_rank,), ("norm",), ones),
+        "kv_b_proj": weight((spec.kv_lora_rank, heads, spec.qk_nope_head_dim + spec.v_head_dim),
+                            ("kv_lora", "heads", "head_dim")),
+        "o_proj": weight((heads, spec.v_head_dim, spec.hidden_size), ("heads", "head_dim", "embed")),
+        "indexer": indexer_weights(spec.indexer, param_dtype),
+    }
 
 
-class MLAttention(nn.Module):
-    spec: AttentionSpec
-    param_dtype: jnp.dtype = jnp.float32
+class Projected(NamedTuple):
+    """One layer's queries and per-token keys for its tokens (rows [B, T]; the serving step's
+    flat tokens are B rows of T = 1)."""
 
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 previous_indices: jax.Array, kinds: LayerKinds):
-        """x: [B, T, D] (already normalised); positions, segment_ids: [B, T];
-        previous_indices: [B, T, k] top-k of the last indexer layer (reused by "shared" layers).
+    q_latent: jax.Array  # [B, T, Rq] normalised (the indexer's queries read it)
+    q_nope: jax.Array  # [B, T, N, nope]
+    q_rope: jax.Array  # [B, T, N, rope], rotated
+    latent: jax.Array  # [B, T, Rkv] normalised: what a cache keeps
+    k_rope: jax.Array  # [B, T, rope], rotated: what a cache keeps
+    cos: jax.Array  # [B, T, rope / 2]
+    sin: jax.Array
 
-        Returns (out [B, T, D], topk indices [B, T, k], selection boundary gap [B, T]).
-        """
-        spec = self.spec
-        dtype = x.dtype
-        if x.shape[1] % shards("length") and not self.is_initializing():  # (init traces 2 positions)
-            raise ValueError(f"context parallelism: the sequence length {x.shape[1]} does not split "
-                             f"evenly over the {shards('length')} devices of the `length` axis "
-                             "(mesh axis `context`)")
-        init = normal_init(spec.initializer_range)
-        weight = lambda name, shape, axes, **kw: declare_weight(  # noqa: E731
-            self, name, shape, axes, self.param_dtype, kw.get("init", init)).astype(dtype)
-        ones = nn.initializers.ones
-        heads = spec.num_heads
-        q_a_proj = weight("q_a_proj", (spec.hidden_size, spec.q_lora_rank), ("embed", "q_lora"))
-        q_a_norm = weight("q_a_norm", (spec.q_lora_rank,), ("norm",), init=ones)
-        q_b_proj = weight("q_b_proj", (spec.q_lora_rank, heads, spec.qk_head_dim),
-                          ("q_lora", "heads", "head_dim"))
-        kv_a_proj = weight("kv_a_proj", (spec.hidden_size, spec.kv_lora_rank + spec.qk_rope_head_dim),
-                           ("embed", "kv_lora"))
-        kv_a_norm = weight("kv_a_norm", (spec.kv_lora_rank,), ("norm",), init=ones)
-        kv_b_proj = weight("kv_b_proj", (spec.kv_lora_rank, heads, spec.qk_nope_head_dim + spec.v_head_dim),
-                           ("kv_lora", "heads", "head_dim"))
-        o_proj = weight("o_proj", (heads, spec.v_head_dim, spec.hidden_size),
-                        ("heads", "head_dim", "embed"))
 
-        q_latent, q_nope, q_rope = query_path(x, q_a_proj, q_a_norm, q_b_proj, spec.latent_norm_eps,
-                                              spec.qk_nope_head_dim)
-        latent, k_rope = kv_latent(x, kv_a_proj, kv_a_norm, spec.kv_lora_rank, spec.latent_norm_eps)
-        cos, sin = rope_angles(positions, spec.qk_rope_head_dim, spec.rope_theta)
-        q_rope = apply_rope(q_rope, cos, sin)
-        k_rope = apply_rope(k_rope, cos, sin)
-        # Context parallelism: the keys' side whole on every device (see the module docstring).
-        latent, k_rope = whole_sequence(latent), whole_sequence(k_rope)
-        key_positions, key_segment_ids = whole_sequence(positions), whole_sequence(segment_ids)
-        indexer = Indexer(spec.indexer, self.param_dtype, name="indexer")
-        if spec.attention_impl == "pallas":  # no dense [B, T, S] mask unless the indexer needs one
-            allowed = (None if spec.indexer.impl == "pallas"
-                       else query_slice(base_mask(positions, segment_ids, key_positions, key_segment_ids)))
-            indices, gap = indexer(x, q_latent, cos, sin, allowed, kinds.run_indexer, previous_indices,
-                                   positions, segment_ids)
-            out = pallas_attention(spec, constrain(q_nope, ("batch", "length", "heads", "head_dim")),
-                                   q_rope, latent, k_rope, kv_b_proj, indices, positions, segment_ids,
-                                   kinds.sliding)
-            return jnp.einsum("BTNH,NHD->BTD", out, o_proj), indices, gap
-        query = constrain(jnp.concatenate([q_nope, q_rope], axis=-1),
-                          ("batch", "length", "heads", "head_dim"))
-        key, value = expand_latent(latent, k_rope, kv_b_proj, spec.qk_nope_head_dim)
+def project_tokens(spec: AttentionSpec, weights, x, positions) -> Projected:
+    """x: [B, T, D] normalised; positions: [B, T] -> the layer's `Projected` queries and keys.
+    Weights in x's dtype (quantized ones multiplied per spec.quantized_matmul)."""
+    impl = spec.quantized_matmul
+    q_latent, q_nope, q_rope = query_path(x, weights["q_a_proj"], weights["q_a_norm"], weights["q_b_proj"],
+                                          spec.latent_norm_eps, spec.qk_nope_head_dim, impl)
+    latent, k_rope = kv_latent(x, weights["kv_a_proj"], weights["kv_a_norm"], spec.kv_lora_rank,
+                               spec.latent_norm_eps, impl)
+    cos, sin = rope_angles(positions, spec.qk_rope_head_dim, spec.rope_theta)
+    return Projected(q_latent, q_nope, apply_rope(q_rope, cos, sin), latent, apply_rope(k_rope, cos, sin),
+                     cos, sin)
 
-        # Which keys each query may see: [B, T, S], this device's queries against every key. Causal
-        # by index as well as by position (as in the reference), which `attend_causal_blocks` needs.
-        length = x.shape[1]
-        by_index = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
-        causal = query_slice(base_mask(positions, segment_ids, key_positions, key_segment_ids) & by_index)
-        training_dsa = spec.dsa_stage != "off"
-        indices, gap, top_k, *scores = indexer(x, q_latent, cos, sin, causal, kinds.run_indexer,
-                                               previous_indices, positions, segment_ids,
-                                               with_scores=training_dsa, with_mask=True)
-        # The dense warm-up attends to every causal key; otherwise DSA layers attend to the top-k.
-        dsa_allowed = causal if spec.dsa_stage == "dense_warmup" else top_k
-        if spec.sliding_window > 0 and kinds.sliding is not False:
-            window_allowed = causal & sliding_window_mask(positions, spec.sliding_window, key_positions)
-            allowed = jnp.where(kinds.sliding, window_allowed, dsa_allowed)
-        else:
-            allowed = dsa_allowed
 
-        block_size = spec.causal_block_size
-        blocked = 0 < block_size < length and length % block_size == 0
-        if blocked and not training_dsa and shards("length") == 1:
-            out = attend_causal_blocks(query, key, value, allowed, block_size)  # [B, T, N, Hv]
-        else:  # one [T, S] block (the DSA KL reads the whole distribution)
-            probs = constrain(attention_probs(query, key, allowed),
-                              ("batch", "heads", "length", None))  # [B, N, T, S]
-            if training_dsa:
-                self._sow_indexer_kl(probs, scores[0], dsa_allowed, top_k, kinds)
-            out = attend_with(probs, value)  # [B, T, N, Hv]
-        out = mixed_einsum("BTNH,NHD->BTD", out, o_proj)
-        return out, indices, gap
+def mla_attention(spec: AttentionSpec, weights, x, keys, kinds: LayerKinds, previous):
+    """One MLA layer's attention. x: [B, T, D] normalised; keys: the source of keys
+    (`attention.sequence.SequenceKeys` or `attention.pages.PagedKeys`), which picks the backend
+    (spec.attention_impl or spec.decode_attention_impl); previous: the previous DSA layer's
+    selection (the source's `no_selection()` before the first).
 
-    def _sow_indexer_kl(self, probs, scores, dsa_allowed, selected, kinds: LayerKinds):
-        """Sows the indexer KL and top-k recall sums of this layer (zero on layers that reuse
-        another layer's selection or slide a window); see dsa_training.py."""
-        kl_sum, recall_sum, queries = indexer_kl(attention_target(probs), scores, dsa_allowed, selected)
-        counts = jnp.asarray(kinds.run_indexer, jnp.float32) * (1.0 - jnp.asarray(kinds.sliding, jnp.float32))
-        self.sow("intermediates", "indexer_kl_sum", kl_sum * counts)
-        self.sow("intermediates", "indexer_recall_sum", recall_sum * counts)
-        self.sow("intermediates", "indexer_queries", queries * counts)
+    Returns (out [B, T, D], selection, boundary gap [B, T] or None, {diagnostic: value}, keys
+    (a page pool: with this layer's new entries written))."""
+    projected = project_tokens(spec, weights, x, keys.positions)
+    keys, (heads, selection, gap, stats) = keys.attend(get_backend(keys.backend_name(spec)), spec, weights,
+                                                      x, projected, kinds, previous)
+    out = weight_product("BTNH,NHD->BTD", heads.astype(x.dtype), weights["o_proj"], spec.quantized_matmul)
+    return out, selection, gap, stats, keys

@@ -18,7 +18,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from glm5_jax.model import kernel_calls
-from glm5_jax.model.layers import MLP, batched_matmul, declare_weight, normal_init
+from glm5_jax.model.layers import (
+    WeightSpec,
+    WeightTable,
+    batched_matmul,
+    mlp_weights,
+    normal_init,
+    swiglu_mlp,
+)
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.expert import expert_mesh, routed_experts_sharded
 from glm5_jax.quant.formats import is_quantized
@@ -258,42 +265,46 @@ def routed_experts(tokens: jax.Array, weights: jax.Array, experts: jax.Array, ga
     return ROUTED_EXPERTS[spec.impl](tokens, weights, experts, gate_proj, up_proj, down_proj), None
 
 
-class MoE(nn.Module):
-    spec: MoESpec
-    param_dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [B, T, D] -> [B, T, D]. Sows per-expert token counts as intermediates."""
-        spec = self.spec
-        init = normal_init(spec.initializer_range)
-        num_experts, hidden, inner = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+def moe_weights(spec: MoESpec, param_dtype) -> WeightTable:
+    """One MoE layer's weights (checkpoint names under moe/)."""
+    init = normal_init(spec.initializer_range)
+    num_experts, hidden, inner = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    expert_in = (num_experts, hidden, inner)
+    table = {
         # Router weight and selection bias stay float32 (the reference keeps them so).
-        router = declare_weight(self, "router", (hidden, num_experts), ("embed", "experts"),
-                                jnp.float32, init)
-        selection_bias = declare_weight(self, "router_bias", (num_experts,), ("experts",),
-                                        jnp.float32, nn.initializers.zeros)
-        expert_in = (num_experts, hidden, inner)
-        gate_proj = declare_weight(self, "gate_proj", expert_in, ("experts", "embed", "mlp"),
-                                   self.param_dtype, init)
-        up_proj = declare_weight(self, "up_proj", expert_in, ("experts", "embed", "mlp"),
-                                 self.param_dtype, init)
-        down_proj = declare_weight(self, "down_proj", (num_experts, inner, hidden),
-                                   ("experts", "mlp", "embed"), self.param_dtype, init)
+        "router": WeightSpec((hidden, num_experts), ("embed", "experts"), jnp.float32, init),
+        "router_bias": WeightSpec((num_experts,), ("experts",), jnp.float32, nn.initializers.zeros),
+        "gate_proj": WeightSpec(expert_in, ("experts", "embed", "mlp"), param_dtype, init),
+        "up_proj": WeightSpec(expert_in, ("experts", "embed", "mlp"), param_dtype, init),
+        "down_proj": WeightSpec((num_experts, inner, hidden), ("experts", "mlp", "embed"), param_dtype, init),
+    }
+    if spec.num_shared_experts:
+        table["shared_experts"] = mlp_weights(hidden, inner * spec.num_shared_experts, spec.initializer_range,
+                                              param_dtype)
+    return table
 
-        batch, length, _ = x.shape
-        tokens = x.reshape(batch * length, hidden)
-        weights, experts, scores = route(tokens, router, selection_bias, spec)
-        load = jnp.bincount(experts.reshape(-1), length=num_experts)
-        self.sow("intermediates", "expert_load", load)
-        self.sow("intermediates", "balance_loss",
-                 sequence_balance_loss(scores.reshape(batch, length, num_experts),
-                                       experts.reshape(batch, length, -1), num_experts))
-        y, dropped = routed_experts(tokens, weights, experts, gate_proj, up_proj, down_proj, spec)
-        if dropped is not None:
-            self.sow("intermediates", "dropped_tokens", dropped)
-        y = constrain(y.reshape(batch, length, hidden), ("batch", "length", "embed"))
-        if spec.num_shared_experts:
-            y = y + MLP(hidden, inner * spec.num_shared_experts, spec.initializer_range,
-                        self.param_dtype, name="shared_experts")(x)
-        return y
+
+def moe_block(spec: MoESpec, weights, x: jax.Array, with_stats: bool = False, constrain_output: bool = False):
+    """The MoE feed-forward. x: [B, T, D] normalised -> (y [B, T, D], {diagnostic: value}).
+
+    with_stats: also per-expert token counts ("expert_load" [E]), the sequence-wise balance loss
+    and, when expert parallelism drops copies, "dropped_tokens" (training sows them).
+    constrain_output: constrain y to the training activations' sharding."""
+    batch, length, hidden = x.shape
+    tokens = x.reshape(batch * length, hidden)
+    routing_weights, experts, scores = route(tokens, weights["router"], weights["router_bias"], spec)
+    stats = {}
+    if with_stats:
+        stats["expert_load"] = jnp.bincount(experts.reshape(-1), length=spec.num_experts)
+        stats["balance_loss"] = sequence_balance_loss(scores.reshape(batch, length, spec.num_experts),
+                                                      experts.reshape(batch, length, -1), spec.num_experts)
+    y, dropped = routed_experts(tokens, routing_weights, experts, weights["gate_proj"], weights["up_proj"],
+                                weights["down_proj"], spec)
+    if dropped is not None and with_stats:
+        stats["dropped_tokens"] = dropped
+    y = y.reshape(x.shape)
+    if constrain_output:
+        y = constrain(y, ("batch", "length", "embed"))
+    if spec.num_shared_experts:
+        y = y + swiglu_mlp(x, weights["shared_experts"], spec.quantized_matmul)
+    return y, stats

@@ -24,6 +24,7 @@ from glm5_jax.execution_flags import (  # noqa: F401 - the choices are defined t
     QUANTIZED_MATMUL_IMPLS,
     REMAT_POLICIES,
 )
+from glm5_jax.model.attention import backend_names
 from glm5_jax.model.config import ConfigError, ModelConfig, check_field
 from glm5_jax.model.dsa_training import DSA_STAGES
 
@@ -80,7 +81,8 @@ class ExecutionOptions:
     # CPU default) or "pallas" (Triton on NVIDIA GPUs, Mosaic on TPUs). attention_impl:
     # prefill/training attention (flash attention, and gathered top-k attention on DSA layers);
     # indexer_impl: DSA indexer scores fused with top-k; decode_attention_impl: MLA attention
-    # over the paged latent cache.
+    # over the paged latent cache. A backend registered with glm5_jax.model.attention.register_backend
+    # is a further choice for attention_impl and decode_attention_impl.
     attention_impl: str = "reference"
     indexer_impl: str = "reference"
     decode_attention_impl: str = "reference"
@@ -157,8 +159,9 @@ class ExecutionOptions:
                 "must be an integer >= 0 (0 = one block)")
         require(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}")
         require(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
-        for field in ("attention_impl", "indexer_impl", "decode_attention_impl"):
-            require(getattr(self, field) in KERNEL_IMPLS, field, f"must be one of {KERNEL_IMPLS}")
+        require(self.indexer_impl in KERNEL_IMPLS, "indexer_impl", f"must be one of {KERNEL_IMPLS}")
+        for field in ("attention_impl", "decode_attention_impl"):  # built in: KERNEL_IMPLS
+            require(getattr(self, field) in backend_names(), field, f"must be one of {backend_names()}")
         require(self.quantized_matmul in QUANTIZED_MATMUL_IMPLS, "quantized_matmul",
                 f"must be one of {QUANTIZED_MATMUL_IMPLS}")
         require(self.expert_dispatch in EXPERT_DISPATCHES, "expert_dispatch",

@@ -12,51 +12,34 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from glm5_jax.model.attention.sequence import SequenceKeys
 from glm5_jax.model.config import ModelConfig, as_model_config
-from glm5_jax.model.dsa import IndexerSpec
-from glm5_jax.model.layers import MLP, RMSNorm, declare_weight, normal_init, vocab_logits
-from glm5_jax.model.mla import AttentionSpec, LayerKinds, MLAttention
-from glm5_jax.model.moe import MoE, MoESpec
+from glm5_jax.model.decoder import (
+    decoder_layer,
+    layer_weights,
+    mtp_block,
+    mtp_head_weights,
+    stack_kinds,
+)
+from glm5_jax.model.layers import (
+    declare_table,
+    declare_weight,
+    norm_weights,
+    normal_init,
+    rms_norm,
+    sow_tree,
+    vocab_logits,
+)
+from glm5_jax.model.mla import LayerKinds
 from glm5_jax.model.options import ExecutionOptions, as_options
-from glm5_jax.parallel import constrain
+from glm5_jax.parallel import constrain, shards
 from glm5_jax.parallel.pipeline import default_microbatches, pipeline_stages, run_pipeline
 
 
-def attention_spec(config: ModelConfig, options: ExecutionOptions) -> AttentionSpec:
-    indexer = IndexerSpec(
-        hidden_size=config.hidden_size, q_lora_rank=config.q_lora_rank,
-        index_num_heads=config.index_num_heads, index_head_dim=config.index_head_dim,
-        index_topk=config.index_topk, qk_rope_head_dim=config.qk_rope_head_dim,
-        index_norm_eps=config.index_norm_eps, initializer_range=config.initializer_range,
-        impl=options.indexer_impl)
-    return AttentionSpec(
-        hidden_size=config.hidden_size, num_heads=config.num_heads,
-        q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
-        qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
-        v_head_dim=config.v_head_dim, latent_norm_eps=config.latent_norm_eps,
-        sliding_window=config.sliding_window, rope_theta=config.rope_theta,
-        initializer_range=config.initializer_range, indexer=indexer,
-        attention_impl=options.attention_impl, dsa_stage=options.dsa_stage,
-        causal_block_size=options.causal_block_size)
-
-
-def moe_spec(config: ModelConfig, options: ExecutionOptions) -> MoESpec:
-    return MoESpec(
-        hidden_size=config.hidden_size, moe_intermediate_size=config.moe_intermediate_size,
-        num_experts=config.num_experts, num_experts_per_token=config.num_experts_per_token,
-        num_shared_experts=config.num_shared_experts, num_expert_groups=config.num_expert_groups,
-        num_selected_groups=config.num_selected_groups,
-        normalize_topk_weights=config.normalize_topk_weights,
-        routed_scaling_factor=config.routed_scaling_factor,
-        initializer_range=config.initializer_range, impl=options.moe_impl,
-        dispatch=options.expert_dispatch, capacity_factor=options.expert_capacity_factor,
-        quantized_matmul=options.quantized_matmul)
-
-
 class DecoderLayer(nn.Module):
-    """One pre-norm decoder layer; `ffn` is "dense" or "moe"."""
+    """One decoder layer for training and `forward`: declares `decoder.layer_weights` and runs
+    `decoder.decoder_layer` over the sequence; `ffn` is "dense" or "moe"."""
 
     config: ModelConfig
     options: ExecutionOptions
@@ -68,27 +51,15 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, positions, segment_ids, run_indexer_flag, sliding_flag):
         """carry = (x [B, T, D], topk indices [B, T, k]); flags: bool scalars of this layer."""
-        config, options = self.config, self.options
         x, previous_indices = carry
-        param_dtype = options.weight_dtype
+        weights, scopes = declare_table(self, layer_weights(self.config, self.options, self.ffn))
         kinds = LayerKinds(
-            run_indexer=run_indexer_flag if self.uniform_run_indexer is None
-            else self.uniform_run_indexer,
+            run_indexer=run_indexer_flag if self.uniform_run_indexer is None else self.uniform_run_indexer,
             sliding=sliding_flag if self.uniform_sliding is None else self.uniform_sliding)
-
-        normed = RMSNorm(config.rms_norm_eps, param_dtype, name="input_norm")(x)
-        attended, indices, gap = MLAttention(attention_spec(config, options), param_dtype, name="attention")(
-            normed, positions, segment_ids, previous_indices, kinds)
-        self.sow("intermediates", "selection_gap", jnp.min(gap))
-        x = x + attended
-
-        normed = RMSNorm(config.rms_norm_eps, param_dtype, name="post_attention_norm")(x)
-        if self.ffn == "dense":
-            x = x + MLP(config.hidden_size, config.dense_intermediate_size,
-                        config.initializer_range, param_dtype, name="mlp")(normed)
-        else:
-            x = x + MoE(moe_spec(config, options), param_dtype, name="moe")(normed)
-        x = constrain(x, ("batch", "length", "embed"))
+        x, indices, _, stats = decoder_layer(self.config, self.options, weights, x,
+                                             SequenceKeys(positions, segment_ids), kinds, previous_indices,
+                                             self.ffn, with_stats=True)
+        sow_tree(self, scopes, stats)
         return (x, indices), None
 
 
@@ -99,16 +70,6 @@ def _maybe_remat(layer_class, policy: str):
     saveable = {"full": jax.checkpoint_policies.nothing_saveable,
                 "save_matmuls": jax.checkpoint_policies.dots_saveable}[policy]
     return nn.remat(layer_class, policy=saveable, prevent_cse=False)
-
-
-def _stack_flags(config: ModelConfig, layers: range):
-    """Per-layer flags of a stack, and their static values when the stack is uniform."""
-    run = np.array([config.attention_types[i] == "dsa" and config.indexer_types[i] == "full"
-                    for i in layers])
-    sliding = np.array([config.attention_types[i] == "sliding_window" for i in layers])
-    uniform_run = bool(run[0]) if run.min() == run.max() else None
-    uniform_sliding = bool(sliding[0]) if sliding.min() == sliding.max() else None
-    return jnp.asarray(run), jnp.asarray(sliding), uniform_run, uniform_sliding
 
 
 def _flatten_sown(tree, prefix: str = "") -> dict[str, jax.Array]:
@@ -171,7 +132,8 @@ class PipelinedStack(nn.Module):
 
 
 class MTPHead(nn.Module):
-    """Multi-token prediction: predicts token t+2 from (hidden_t, embedding of token t+1)."""
+    """Multi-token prediction: predicts token t+2 from (hidden_t, embedding of token t+1);
+    declares `decoder.mtp_head_weights` and runs `decoder.mtp_block` over the sequence."""
 
     config: ModelConfig
     options: ExecutionOptions
@@ -179,21 +141,11 @@ class MTPHead(nn.Module):
     @nn.compact
     def __call__(self, hidden, next_embeddings, positions, segment_ids, lm_head):
         """hidden, next_embeddings: [B, T, D]; lm_head: [D, V]. Returns logits [B, T, V] f32."""
-        config = self.config
-        param_dtype = self.options.weight_dtype
-        embedded = RMSNorm(config.rms_norm_eps, param_dtype, name="enorm")(next_embeddings)
-        previous = RMSNorm(config.rms_norm_eps, param_dtype, name="hnorm")(hidden)
-        eh_proj = declare_weight(self, "eh_proj", (2 * config.hidden_size, config.hidden_size),
-                                 ("embed_concat", "embed"), param_dtype,
-                                 normal_init(config.initializer_range))
-        x = jnp.concatenate([embedded, previous], axis=-1) @ eh_proj.astype(hidden.dtype)
-        batch, length = x.shape[:2]
-        no_indices = jnp.zeros((batch, length, min(config.index_topk, length)), jnp.int32)
-        # The MTP layer sits after the dense prefix, so it is an MoE layer.
-        (x, _), _ = DecoderLayer(config, self.options, "moe", name="layer")(
-            (x, no_indices), positions, segment_ids, True, False)
-        x = RMSNorm(config.rms_norm_eps, param_dtype, name="final_norm")(x)
-        return vocab_logits(x, lm_head.astype(x.dtype))
+        weights, scopes = declare_table(self, mtp_head_weights(self.config, self.options))
+        out, _, stats = mtp_block(self.config, self.options, weights, hidden, next_embeddings,
+                                  SequenceKeys(positions, segment_ids), with_stats=True)
+        sow_tree(self, scopes, {"layer": stats})
+        return vocab_logits(out, lm_head.astype(out.dtype))
 
 
 class Transformer(nn.Module):
@@ -216,15 +168,19 @@ class Transformer(nn.Module):
         # lookup's output can take the batch sharding instead of being replicated.
         table = constrain(embed.astype(dtype), ("vocab", None))
         x = constrain(table[input_ids], ("batch", "length", "embed"))
-        batch, length = input_ids.shape
-        indices = jnp.zeros((batch, length, min(config.index_topk, length)), jnp.int32)
+        length = input_ids.shape[1]
+        if length % shards("length") and not self.is_initializing():  # (init traces 2 positions)
+            raise ValueError(f"context parallelism: the sequence length {length} does not split "
+                             f"evenly over the {shards('length')} devices of the `length` axis "
+                             "(mesh axis `context`)")
+        indices = SequenceKeys(positions, segment_ids).no_selection(config.index_topk)
 
         stacks = (("dense_layers", "dense", range(0, config.num_dense_layers)),
                   ("moe_layers", "moe", range(config.num_dense_layers, config.num_layers)))
         for name, ffn, layers in stacks:
             if not layers:
                 continue
-            run, sliding, uniform_run, uniform_sliding = _stack_flags(config, layers)
+            run, sliding, uniform_run, uniform_sliding = stack_kinds(config, layers)
             if ffn == "moe" and pipeline_stages() > 1 and not self.is_initializing():
                 x, indices = PipelinedStack(config=config, options=options, ffn=ffn,
                                             uniform_run_indexer=uniform_run,
@@ -243,7 +199,8 @@ class Transformer(nn.Module):
             )(config, options, ffn, uniform_run, uniform_sliding, name=name)
             (x, indices), _ = stack((x, indices), positions, segment_ids, run, sliding)
 
-        hidden = RMSNorm(config.rms_norm_eps, param_dtype, name="final_norm")(x)
+        final_norm, _ = declare_table(self, {"final_norm": norm_weights(config.hidden_size, param_dtype)})
+        hidden = rms_norm(x, final_norm["final_norm"]["scale"], config.rms_norm_eps)
         lm_head = declare_weight(self, "lm_head", (config.hidden_size, config.vocab_size),
                                  ("embed", "vocab"), param_dtype, init)
         logits = vocab_logits(hidden, lm_head.astype(dtype))

@@ -1,0 +1,47 @@
+"""The sequence itself as the source of keys: training and `forward` over [B, T] rows.
+
+Packed documents (`segment_ids`) never see each other; under context parallelism (a mesh
+`context` axis, the `length` rule) each device holds a slice of the queries and gathers the
+keys' side where it is smallest: the per-token latent and rope key (and the indexer keys, in
+dsa.py), expanded into per-head keys and values locally. Positions are the batch's global ones,
+so RoPE and the causal mask need nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.model.dsa import whole_sequence
+
+
+class SequenceKeys(NamedTuple):
+    """positions, segment_ids: [B, T] int (the queries' and, whole, the keys')."""
+
+    positions: jax.Array
+    segment_ids: jax.Array
+
+    is_sequence = True  # training activations: constrained to their [B, T] shardings
+
+    def backend_name(self, spec) -> str:
+        return spec.attention_impl
+
+    def no_selection(self, topk: int) -> jax.Array:
+        """The selection before the first DSA layer: [B, T, min(topk, T)] int32 zeros."""
+        batch, length = self.positions.shape
+        return jnp.zeros((batch, length, min(topk, length)), jnp.int32)
+
+    def whole(self):
+        """The keys' positions and segment ids [B, S], gathered over `context`."""
+        return whole_sequence(self.positions), whole_sequence(self.segment_ids)
+
+    def attend(self, backend, spec, weights, x, projected, kinds, previous):
+        """(self, backend.over_sequence(...)): the sequence has nothing to store."""
+        return self, backend.over_sequence(spec, weights, x, projected, self, kinds, previous)
+
+
+def whole_keys(projected):
+    """The projected latent and rope key of every position [B, S, .], gathered over `context`."""
+    return whole_sequence(projected.latent), whole_sequence(projected.k_rope)
