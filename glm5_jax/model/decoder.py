@@ -152,11 +152,14 @@ def decoder_layer(config: ModelConfig, options: ExecutionOptions, weights, x, ke
     eps = config.rms_norm_eps
     on_sequence = keys.is_sequence
     normed = rms_norm(x, weights["input_norm"]["scale"], eps)
-    attended, selection, gap, attention_stats, keys = mla_attention(
-        attention_spec(config, options), weights["attention"], normed, keys, kinds, previous)
+    # Named scopes as the weights' names: profiles and HLO op names read like the checkpoint.
+    with jax.named_scope("attention"):
+        attended, selection, gap, attention_stats, keys = mla_attention(
+            attention_spec(config, options), weights["attention"], normed, keys, kinds, previous)
     x = x + attended
     normed = rms_norm(x, weights["post_attention_norm"]["scale"], eps)
-    y, ffn_stats = feed_forward(config, options, weights, normed, ffn, with_stats, on_sequence)
+    with jax.named_scope("mlp" if ffn == "dense" else "moe"):
+        y, ffn_stats = feed_forward(config, options, weights, normed, ffn, with_stats, on_sequence)
     x = x + y
     if on_sequence:
         x = constrain(x, ("batch", "length", "embed"))
