@@ -26,9 +26,17 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'glm5_jax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+def lazy_exports(module_name: str, exports: dict[str, str], namespace: dict):
+    """A module `__getattr__` that imports each of `exports` ({name: module}) on first use and
+    keeps it in `namespace` (the module's globals), so later lookups skip it."""
+
+    def module_getattr(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        value = namespace[name] = getattr(importlib.import_module(exports[name]), name)
+        return value
+
+    return module_getattr
+
+
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Annotated
 
@@ -69,6 +70,16 @@ class AppState:
     # ------------------------------------------------------------------ limits and checks
     async def parse(self, request: Request, model: type[BaseModel]):
         return await parse_body(request, model, self.max_body_bytes, self.body_timeout_s)
+
+    async def receive(self, request: Request, model: type[BaseModel], id_prefix: str):
+        """A generation request's start: its id (`id_prefix` + a random hex), counted against the
+        caller's limits before any work, its body read and validated, the model name checked.
+        Returns (request id, reservation, body)."""
+        request.state.request_id = request_id = f"{id_prefix}{uuid.uuid4().hex}"
+        reservation = self.admit(request)
+        body = await self.parse(request, model)
+        self.check_model(body.model)
+        return request_id, reservation, body
 
     def over_limit(self, exc: RateLimited, caller: ApiKey) -> APIError:
         self.metrics.rate_limited.labels(exc.limit, caller.name).inc()

@@ -4,15 +4,15 @@ Public API:
     SourceSpec, Document, source_spec_from_dict, load_documents, split_documents
     load_tokenizer, train_bpe_tokenizer, load_or_train_tokenizer, token_byte_lengths,
     check_vocab_fits, end_of_text_id
-    make_train_iterator(sources, tokenizer, *, seq_len, batch_size, seed, validation_fraction,
-                        shard_index=0, shard_count=1) -> grain DatasetIterator of int32 [batch, seq_len]
+    make_train_iterator(sources, tokenizer, *, seq_len, batch_size, seed, validation_fraction)
+                        -> grain DatasetIterator of int32 [batch, seq_len] (the global batch)
     make_validation_batches(sources, tokenizer, *, seq_len, batch_size, seed, validation_fraction,
                             max_batches) -> list of batches
 
 Names are imported on first use: reading sources needs neither grain nor JAX.
 """
 
-import importlib
+from glm5_jax import lazy_exports
 
 _MODULES = {
     "glm5_jax.data.pipeline": ("make_train_iterator", "make_validation_batches", "training_documents",
@@ -27,9 +27,4 @@ _EXPORTS = {name: module for module, names in _MODULES.items() for name in names
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'glm5_jax.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-import uuid
 
 from fastapi import APIRouter, Request
 
@@ -29,10 +28,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, state: Shared):
-    request.state.request_id = request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    reservation = state.admit(request)
-    body = await state.parse(request, ChatRequest)
-    state.check_model(body.model)
+    request_id, reservation, body = await state.receive(request, ChatRequest, "chatcmpl-")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     top = body.top_logprobs or 0

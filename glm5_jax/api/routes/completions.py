@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-import uuid
 
 from fastapi import APIRouter, Request
 
@@ -33,10 +32,7 @@ def prompt_list(prompt) -> list:
 
 @router.post("/v1/completions")
 async def completions(request: Request, state: Shared):
-    request.state.request_id = request_id = f"cmpl-{uuid.uuid4().hex}"
-    reservation = state.admit(request)
-    body = await state.parse(request, CompletionRequest)
-    state.check_model(body.model)
+    request_id, reservation, body = await state.receive(request, CompletionRequest, "cmpl-")
     if body.best_of not in (None, 1) or body.suffix:
         param = "suffix" if body.suffix else "best_of"
         raise APIError(400, f"{param} is not supported", param)
