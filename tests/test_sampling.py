@@ -363,14 +363,15 @@ def test_set_slot_rejects_bad_input():
 
 
 def test_slot_options_are_the_per_slot_fields_of_the_state():
-    from glm5_jax.engine.sampling import SlotOptions
+    from glm5_jax.engine.sampling import SlotOptions, slot_options
 
     state = init_sampling_state(2, V_SMALL)
-    assert set(SlotOptions._fields) < {f.name for f in dataclasses.fields(state)}
+    assert isinstance(state, SlotOptions)  # the state holds every slot's options
+    assert set(slot_options(state)) < {f.name for f in dataclasses.fields(state)}
     params = SamplingParams(temperature=0.5, top_p=0.9, top_k=V_SMALL + 3, min_p=0.05, repetition_penalty=1.5,
                             presence_penalty=0.25, frequency_penalty=-0.5)
     state = set_slot(state, 1, params, [], seed=0)
-    for name, value in SlotOptions.of(params, V_SMALL)._asdict().items():
+    for name, value in slot_options(SlotOptions.of(params, V_SMALL)).items():
         row = np.asarray(getattr(state, name))
         assert row[1] == value and row.dtype == np.asarray(value).dtype, name
         assert row[0] == np.asarray(getattr(init_sampling_state(2, V_SMALL), name))[0], name

@@ -29,7 +29,6 @@ but for a split inside one, e.g. `</think>` against a `<think>` generation promp
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,7 +36,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from glm5_jax.chat.template import ChatRenderer
-from glm5_jax.data.sources import DataSourceError, Document
+from glm5_jax.data.sources import DataSourceError, Document, json_object
 from glm5_jax.data.tokenizer import end_of_text_id
 from glm5_jax.errors import InvalidRequestError
 
@@ -76,21 +75,10 @@ PAIR_NAMES = {"conversations": "pairs", "examples": "pairs_kept", "truncated_exa
               "target_tokens": "target_tokens"}
 
 
-def json_object(line: str, where: str, what: str) -> dict[str, Any]:
-    """One JSONL line as a dict; DataSourceError naming `where` when it is not a JSON object."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise DataSourceError(f"{where}: not valid JSON ({error.msg})") from error
-    if not isinstance(record, dict):
-        raise DataSourceError(f"{where}: a {what} line must be a JSON object")
-    return record
-
-
 def parse_conversation(line: str | dict, where: str) -> tuple[list[dict[str, Any]], list[dict] | None]:
     """One JSONL line (or its parsed object) -> (messages, tools); raises DataSourceError naming
     `where` and the field."""
-    record = line if isinstance(line, dict) else json_object(line, where, "conversation")
+    record = line if isinstance(line, dict) else json_object(line, where, what="conversation")
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
         raise DataSourceError(f"{where}: field 'messages' must be a non-empty list")

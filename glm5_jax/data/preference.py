@@ -24,13 +24,12 @@ from glm5_jax.chat.template import ChatRenderer
 from glm5_jax.data.chat import (
     ChatStatistics,
     Example,
-    json_object,
     parse_conversation,
     target_spans,
     tokenize_example,
     truncate,
 )
-from glm5_jax.data.sources import DataSourceError, Document
+from glm5_jax.data.sources import DataSourceError, Document, json_object
 
 
 def _answer(value: Any, where: str) -> dict[str, Any]:
@@ -43,7 +42,7 @@ def _answer(value: Any, where: str) -> dict[str, Any]:
 
 def parse_pair(line: str, where: str) -> tuple[list[dict], dict, dict, list[dict] | None]:
     """One JSONL line -> (prompt messages, chosen, rejected, tools); errors name the line and field."""
-    record = json_object(line, where, "preference")
+    record = json_object(line, where, what="preference")
     if "messages" not in record:
         if not isinstance(record.get("prompt"), str):
             raise DataSourceError(f"{where}: needs 'messages' (a list) or 'prompt' (a string)")

@@ -36,7 +36,7 @@ import json
 import math
 import os
 import sysconfig
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -233,17 +233,30 @@ def _lines(text: str) -> Iterable[tuple[int, str]]:
     return enumerate(io.StringIO(text, newline=None), 1)
 
 
+def json_object(line: str, where: str, error: type[Exception] = DataSourceError, what: str = "JSONL") -> dict:
+    """One JSONL line as a dict; `error` naming `where` when it is not JSON or not a JSON object."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise error(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    if not isinstance(record, dict):
+        raise error(f"{where}: a {what} line must be a JSON object, not {type(record).__name__}")
+    return record
+
+
+def json_objects(lines: Iterable[tuple[int, str]], origin: str,
+                 error: type[Exception]) -> Iterator[tuple[str, dict]]:
+    """(`origin:line`, object) for every non-blank numbered line of a JSONL text (`json_object`)."""
+    for line_number, line in lines:
+        if line.strip():
+            where = f"{origin}:{line_number}"
+            yield where, json_object(line, where, error)
+
+
 def _jsonl_documents(doc_id: str, text: str, field: str) -> Iterable[Document]:
     """Documents from one JSONL file's text, one per non-blank line, with ids `path:line` (1-based)."""
-    for line_number, line in _lines(text):
-        if not line.strip():
-            continue
-        where = f"{doc_id}:{line_number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataSourceError(f"{where}: not valid JSON ({error.msg})") from error
-        if not isinstance(record, dict) or field not in record:
+    for where, record in json_objects(_lines(text), doc_id, DataSourceError):
+        if field not in record:
             raise DataSourceError(f"{where}: record has no field {field!r}")
         value = record[field]
         if not isinstance(value, str):

@@ -19,9 +19,9 @@ logits row, so a seeded request reproduces whatever the other slots hold.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,8 @@ PRNG_IMPL = "threefry2x32"
 _SEED_MASK = (1 << 64) - 1
 
 
-class SlotOptions(NamedTuple):
+@struct.dataclass
+class SlotOptions:
     """A slot's sampling options by name, the per-slot fields of SamplingState that `set_slot`
     installs: scalars for one slot (float32; top_k int32, 0 = off), or [S] arrays for all slots."""
 
@@ -58,24 +59,17 @@ class SlotOptions(NamedTuple):
 
 
 @struct.dataclass
-class SamplingState:
+class SamplingState(SlotOptions):
     """Per-slot sampling parameters and history for S slots over a vocabulary of V tokens.
 
-    temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty: [S] f32.
-    top_k: [S] int32 (0 = off); these are SlotOptions' fields, by the same names.
+    SlotOptions' fields as [S] arrays: temperature, top_p, min_p, repetition_penalty,
+    presence_penalty, frequency_penalty float32; top_k int32 (0 = off). And:
     keys: [S, 2] uint32, threefry2x32 key data (one key per slot).
     output_counts: [S, V] int32, how often each token has been generated in the slot's request.
     prompt_mask: [S, V] bool, True for tokens present in the slot's prompt.
     Neutral values (see `init_sampling_state`) leave the logits unchanged and sample at T = 1.
     """
 
-    temperature: jax.Array
-    top_p: jax.Array
-    top_k: jax.Array
-    min_p: jax.Array
-    repetition_penalty: jax.Array
-    presence_penalty: jax.Array
-    frequency_penalty: jax.Array
     keys: jax.Array
     output_counts: jax.Array
     prompt_mask: jax.Array
@@ -138,12 +132,17 @@ def make_keys(seeds: Sequence[int]) -> jax.Array:
     return _keys_from_halves(jnp.asarray(high), jnp.asarray(low))
 
 
+def slot_options(options: SlotOptions) -> dict[str, jax.Array]:
+    """{field: value} of SlotOptions' own fields (of a SamplingState too: its per-slot options)."""
+    return {field.name: getattr(options, field.name) for field in dataclasses.fields(SlotOptions)}
+
+
 @jax.jit
 def _set_slot(state: SamplingState, slot: jax.Array, options: SlotOptions, prompt_row: jax.Array,
               seed_high: jax.Array, seed_low: jax.Array) -> SamplingState:
     """Writes one slot's options (scalars), prompt mask [V] and key; resets its output counts."""
     return state.replace(
-        **{name: getattr(state, name).at[slot].set(value) for name, value in options._asdict().items()},
+        **{name: getattr(state, name).at[slot].set(value) for name, value in slot_options(options).items()},
         keys=state.keys.at[slot].set(_key_from_halves(seed_high, seed_low)),
         output_counts=state.output_counts.at[slot].set(0),
         prompt_mask=state.prompt_mask.at[slot].set(prompt_row),

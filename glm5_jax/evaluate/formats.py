@@ -16,11 +16,11 @@ from __future__ import annotations
 import csv
 import dataclasses
 import glob
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from glm5_jax.data.sources import json_objects
 from glm5_jax.evaluate.scoring import reference_number
 
 _CONTEXT_FIELDS = ("context", "query", "question", "ctx")
@@ -93,19 +93,7 @@ def expand(paths: str | list[str] | tuple[str, ...], base: Path | None = None) -
 def jsonl_records(path: Path) -> Iterator[tuple[str, dict]]:
     """(`path:line`, object) for every non-blank line of a JSONL file."""
     with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise TaskDataError(
-                    f"{where}: not valid JSON ({error.msg} at column {error.colno})"
-                ) from error
-            if not isinstance(record, dict):
-                raise TaskDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            yield where, record
+        yield from json_objects(enumerate(handle, 1), str(path), TaskDataError)
 
 
 def field(record: dict, names: tuple[str, ...] | str, where: str, kind: type | tuple = str):
