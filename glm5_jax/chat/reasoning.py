@@ -22,7 +22,7 @@ def starts_in_reasoning(prompt: str) -> bool:
     return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of `tag` (a tag possibly cut)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -63,7 +63,7 @@ class ReasoningParser:
                     reasoning.append(text[:end])
                     text, self._state = text[end + len(THINK_END):], "content"
                 else:
-                    keep = _partial_tag(text, THINK_END)
+                    keep = partial_tag(text, THINK_END)
                     reasoning.append(text[:len(text) - keep])
                     self._held = text[len(text) - keep:]
                     break

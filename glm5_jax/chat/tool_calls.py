@@ -23,6 +23,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from glm5_jax.chat.reasoning import partial_tag
+
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 _ARGUMENT = re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
@@ -90,13 +92,6 @@ def parse_call(body: str, schemas: Mapping[str, Mapping[str, Any]]) -> ToolCall 
     return ToolCall(name.group(1), json.dumps(arguments, ensure_ascii=False))
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
 class ToolCallParser:
     """Splits streamed content text into plain text and tool calls.
 
@@ -122,7 +117,7 @@ class ToolCallParser:
             if not self._inside:
                 start = text.find(CALL_START)
                 if start < 0:
-                    keep = _partial_tag(text, CALL_START)
+                    keep = partial_tag(text, CALL_START)
                     items.append(text[:len(text) - keep])
                     self._held = text[len(text) - keep:]
                     break

@@ -30,12 +30,16 @@ img { max-width: 100%; }
 
 @dataclasses.dataclass(frozen=True)
 class Heading:
+    """A section title; level 1 is the report's own."""
+
     level: int
     text: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Paragraph:
+    """Plain text (markdown inline code and links pass through)."""
+
     text: str
 
 

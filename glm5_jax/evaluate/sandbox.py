@@ -134,17 +134,15 @@ _main()
 
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
-    """timeout_s: wall-clock seconds before the program is killed (CPU time is capped at the next
-    whole second above it); memory_mb: address space; max_processes: processes and threads the
-    program may add; max_file_mb: largest file (the private /tmp holds 4x that in all);
-    max_output_mb: stdout + stderr before the program is killed; allow_unsandboxed: run programs
-    even where bubblewrap cannot isolate them (the evaluator's own uid and filesystem)."""
+    """What one program run in the sandbox may use."""
 
+    # Wall-clock seconds before the program is killed (CPU time: the next whole second above).
     timeout_s: float = 5.0
-    memory_mb: int = 512
-    max_processes: int = 16
-    max_file_mb: int = 16
-    max_output_mb: int = 4
+    memory_mb: int = 512  # address space
+    max_processes: int = 16  # processes and threads the program may add
+    max_file_mb: int = 16  # the largest file (the private /tmp holds 4x that in all)
+    max_output_mb: int = 4  # stdout + stderr before the program is killed
+    # Run programs even where bubblewrap cannot isolate them (the evaluator's own uid and files).
     allow_unsandboxed: bool = False
 
     def __post_init__(self):

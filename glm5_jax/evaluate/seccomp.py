@@ -16,23 +16,18 @@ import platform
 import struct
 import sys
 
-# x86-64 and AArch64 syscall numbers; names absent from one table are skipped there.
-_DENIED = {
-    "x86_64": {
-        "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161,
-        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "bpf": 321,
-        "perf_event_open": 298, "userfaultfd": 323, "keyctl": 250, "add_key": 248, "request_key": 249,
-        "kexec_load": 246, "kexec_file_load": 320, "init_module": 175, "finit_module": 313,
-        "delete_module": 176, "name_to_handle_at": 303, "open_by_handle_at": 304,
-    },
-    "aarch64": {
-        "unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51,
-        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "bpf": 280,
-        "perf_event_open": 241, "userfaultfd": 282, "keyctl": 219, "add_key": 217, "request_key": 218,
-        "kexec_load": 104, "kexec_file_load": 294, "init_module": 105, "finit_module": 273,
-        "delete_module": 106, "name_to_handle_at": 264, "open_by_handle_at": 265,
-    },
+# Syscall numbers: name -> (x86-64, AArch64).
+_DENIED_BY_NAME = {
+    "unshare": (272, 97), "setns": (308, 268), "mount": (165, 40), "umount2": (166, 39),
+    "pivot_root": (155, 41), "chroot": (161, 51), "ptrace": (101, 117), "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271), "bpf": (321, 280), "perf_event_open": (298, 241),
+    "userfaultfd": (323, 282), "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218),
+    "kexec_load": (246, 104), "kexec_file_load": (320, 294), "init_module": (175, 105),
+    "finit_module": (313, 273), "delete_module": (176, 106), "name_to_handle_at": (303, 264),
+    "open_by_handle_at": (304, 265),
 }  # fmt: skip
+_DENIED = {machine: {name: numbers[column] for name, numbers in _DENIED_BY_NAME.items()}
+           for column, machine in enumerate(("x86_64", "aarch64"))}
 # Numbered alike on both (the unified table from 5.1 on): io_uring and the new mount API.
 _DENIED_COMMON = {
     "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428,

@@ -88,15 +88,9 @@ class TaskSpec:
     options: dict
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "dimension": self.dimension,
-            "source": self.source,
-            "format": self.format,
-            "limit": self.limit,
-            **self.options,
-        }
+        """The task as a suite file states it: its fields, the options inline."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "options"}
+        return {**fields, **self.options}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,18 +118,8 @@ class Suite:
         return dataclasses.replace(self, tasks=tasks)
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "path": self.path,
-            "description": self.description,
-            "seed": self.seed,
-            "max_length": self.max_length,
-            "batch_size": self.batch_size,
-            "engine": dataclasses.asdict(self.engine),
-            "sandbox": dataclasses.asdict(self.sandbox),
-            "judge": self.judge,
-            "tasks": [t.to_dict() for t in self.tasks],
-        }
+        """The suite as a JSON-able dict (nested settings as dicts, tasks by `TaskSpec.to_dict`)."""
+        return {**dataclasses.asdict(self), "tasks": [t.to_dict() for t in self.tasks]}
 
 
 def resolve_suite_path(name_or_path: str | os.PathLike) -> Path:

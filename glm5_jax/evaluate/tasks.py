@@ -147,14 +147,8 @@ def run_multiple_choice(
             }
         )
     chance = float(np.mean([1 / len(item.choices) for item in items]))
-    return TaskResult(
-        spec,
-        {"acc": proportion(correct), "acc_norm": proportion(correct_norm)},
-        "acc",
-        len(items),
-        samples=samples,
-        notes=[f"chance level {chance:.3f}"],
-    )
+    metrics = {"acc": proportion(correct), "acc_norm": proportion(correct_norm)}
+    return TaskResult(spec, metrics, "acc", len(items), samples=samples, notes=[f"chance level {chance:.3f}"])
 
 
 def run_bits_per_byte(
@@ -310,14 +304,8 @@ def run_exact_match(
         }
         for item, o in zip(items, outputs, strict=True)
     ]
-    return TaskResult(
-        spec,
-        {"exact_match": proportion(flexible), "exact_match_strict": proportion(strict)},
-        "exact_match",
-        len(items),
-        samples=samples,
-        notes=[f"{len(shots)}-shot"],
-    )
+    metrics = {"exact_match": proportion(flexible), "exact_match_strict": proportion(strict)}
+    return TaskResult(spec, metrics, "exact_match", len(items), samples=samples, notes=[f"{len(shots)}-shot"])
 
 
 # ---------------------------------------------------------------- real scenarios

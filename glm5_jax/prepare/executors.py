@@ -39,14 +39,21 @@ def _pool_context():
     return context
 
 
-class LocalExecutor:
+class _Executor:
+    """What both executors take: how many workers (default: the CPUs) and whether to show progress."""
+
+    def __init__(self, workers: int | None = None, progress: bool = True):
+        self.workers = max(1, workers or os.cpu_count() or 1)
+        self.progress = progress
+
+
+class LocalExecutor(_Executor):
     """Runs batches on this machine's cores (a process pool), in order."""
 
     name = "local"
 
     def __init__(self, workers: int | None = None, progress: bool = True):
-        self.workers = max(1, workers or os.cpu_count() or 1)
-        self.progress = progress
+        super().__init__(workers, progress)
         self._pool = None
 
     def __enter__(self) -> LocalExecutor:
@@ -79,15 +86,14 @@ def _apply(function: Callable[[Any], Any], batch: Any) -> Any:
     return function(batch)
 
 
-class RayExecutor:
+class RayExecutor(_Executor):
     """Runs batches as Ray tasks. Joins the cluster named by RAY_ADDRESS, or starts a local one with
     `workers` CPUs; a Ray already initialised in this process is used as it is and left running."""
 
     name = "ray"
 
     def __init__(self, workers: int | None = None, progress: bool = True):
-        self.workers = max(1, workers or os.cpu_count() or 1)
-        self.progress = progress
+        super().__init__(workers, progress)
         self._started = False
 
     def __enter__(self) -> RayExecutor:
