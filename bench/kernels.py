@@ -5,8 +5,14 @@ and the kernel's TFLOP/s and GB/s (with the fraction of the H200 peak when on a 
     PYTHONPATH=. python bench/kernels.py --check            (on the GPU/TPU: real GLM-5 shapes)
     PYTHONPATH=. python bench/kernels.py --small --check    (CPU smoke test: tiny shapes, interpreter)
 
---check also compares the kernel's outputs with the reference's at the case's atol/rtol, prints
-PASS/FAIL and exits non-zero on any FAIL. A case that raises is reported as ERROR (exit non-zero).
+--check also compares the kernel's outputs with the reference's at the case's atol/rtol (through
+the case's compare_as, when it has one), prints PASS/FAIL and exits non-zero on any FAIL. A case
+that raises is reported as ERROR (exit non-zero).
+
+Time limits: each function of a case stops timing once --case-seconds have passed (at least one
+warm-up and one timed run; the row then says how many runs its median has), and no case starts
+after --budget-s (its row says "skipped"), so the table is complete inside a fixed step limit.
+Rows print as soon as they are measured.
 """
 
 from __future__ import annotations
@@ -55,16 +61,24 @@ def load_cases(small: bool, only: str | None):
 
 
 # ----------------------------------------------------------------------------- measuring
-def median_ms(fn, inputs, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn(*inputs) over `iters` runs after `warmup` (compiling) runs."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*inputs))
+def measure(fn, inputs, warmup: int, iters: int, seconds: float):
+    """Median milliseconds of fn(*inputs) over up to `iters` timed runs after up to `warmup` untimed
+    ones (the first compiles); fewer of both once `seconds` have passed, but at least one of each.
+    Returns (median ms, timed runs, the last output)."""
+    start = time.perf_counter()
+    out = None
+    for _ in range(max(warmup, 1)):
+        out = jax.block_until_ready(fn(*inputs))
+        if time.perf_counter() - start > seconds / 2:
+            break
     times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*inputs))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    while len(times) < iters:
+        begin = time.perf_counter()
+        out = jax.block_until_ready(fn(*inputs))
+        times.append(time.perf_counter() - begin)
+        if time.perf_counter() - start + times[-1] > seconds:  # the next run would pass the cap
+            break
+    return 1e3 * statistics.median(times), len(times), out
 
 
 def compare(expected, got, atol: float, rtol: float) -> tuple[bool, float]:
@@ -79,9 +93,14 @@ def compare(expected, got, atol: float, rtol: float) -> tuple[bool, float]:
         if e.shape != g.shape:
             return False, float("inf")
         if e.size:
-            worst = max(worst, float(np.nanmax(np.abs(e - g))))
+            with np.errstate(invalid="ignore"):  # inf - inf (equal infinities) is nan, ignored
+                worst = max(worst, float(np.nan_to_num(np.nanmax(np.abs(e - g)), nan=0.0)))
         ok &= bool(np.allclose(g, e, atol=atol, rtol=rtol))
     return ok, worst
+
+
+def _timing(ms: float, runs: int, iters: int) -> str:
+    return f"{ms:.3f}" if runs >= iters else f"{ms:.3f} ({runs} runs)"
 
 
 def run_case(case, args, on_gpu: bool) -> dict:
@@ -92,15 +111,15 @@ def run_case(case, args, on_gpu: bool) -> dict:
     reference, kernel = jax.jit(case.reference), jax.jit(case.kernel)
     ref_ms = kernel_ms = None
     try:
-        ref_ms = median_ms(reference, inputs, args.warmup, args.iters)
-        row["ref"] = f"{ref_ms:.3f}"
+        ref_ms, runs, expected = measure(reference, inputs, args.warmup, args.iters, args.case_seconds)
+        row["ref"] = _timing(ref_ms, runs, args.iters)
     except Exception as error:  # noqa: BLE001 - e.g. a cuDNN reference on a machine without cuDNN
         row["ref"] = f"error: {type(error).__name__}"
         row["status"] = "error"
         if args.verbose:
             traceback.print_exc()
     try:
-        kernel_ms = median_ms(kernel, inputs, args.warmup, args.iters)
+        kernel_ms, runs, got = measure(kernel, inputs, args.warmup, args.iters, args.case_seconds)
     except Exception as error:  # noqa: BLE001
         first_line = (str(error).splitlines() or [""])[0][:80]
         row["pallas"] = f"error: {type(error).__name__}: {first_line}"
@@ -110,14 +129,22 @@ def run_case(case, args, on_gpu: bool) -> dict:
         return row
     seconds = kernel_ms * 1e-3
     tflops, gbs = case.flops / seconds / 1e12, case.bytes_moved / seconds / 1e9
-    row.update(pallas=f"{kernel_ms:.3f}", tflops=f"{tflops:.3g}", gbs=f"{gbs:.3g}")
+    row.update(pallas=_timing(kernel_ms, runs, args.iters), tflops=f"{tflops:.3g}", gbs=f"{gbs:.3g}")
     if ref_ms is not None:
         row["ratio"] = f"{ref_ms / kernel_ms:.2f}x"
     if on_gpu:
         peak = PEAKS["H200"]
         row["peak"] = f"{tflops / peak['bf16_tflops']:.0%} / {gbs / peak['hbm_gbs']:.0%}"
     if args.check and ref_ms is not None:
-        ok, worst = compare(reference(*inputs), kernel(*inputs), case.atol, case.rtol)
+        try:
+            if case.compare_as is not None:
+                as_compared = jax.jit(case.compare_as)
+                expected, got = as_compared(inputs, expected), as_compared(inputs, got)
+            ok, worst = compare(expected, got, case.atol, case.rtol)
+        except Exception as error:  # noqa: BLE001
+            row["check"] = f"error: {type(error).__name__}"
+            row["status"] = "error"
+            return row
         verdict = "PASS" if ok else "FAIL"
         row["check"] = f"{verdict} (max err {worst:.1e}, atol {case.atol:g}, rtol {case.rtol:g})"
         if not ok:
@@ -137,6 +164,11 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=None,
                         help="timed runs per case (default 20; 2 with --small)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (the first one compiles)")
+    parser.add_argument("--case-seconds", type=float, default=30.0,
+                        help="per function of a case: no more warm-up after half of this, no timed run "
+                             "that would end after it (at least one of each)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no case after this many seconds; the rest are listed as skipped")
     parser.add_argument("--seed", type=int, default=0, help="random key of the case inputs")
     parser.add_argument("--verbose", action="store_true", help="print tracebacks of failing cases")
     args = parser.parse_args(argv)
@@ -147,6 +179,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # each row reaches a tee'd log as it is printed
+    started = time.perf_counter()
     on_gpu = jax.default_backend() == "gpu"
     device = jax.devices()[0]
     print(f"device: {device.platform} {getattr(device, 'device_kind', '')}; jax {jax.__version__}; "
@@ -159,7 +193,11 @@ def main(argv=None) -> int:
     print("|" + "---|" * len(header))
     rows = []
     for module, case in cases:
-        row = run_case(case, args, on_gpu)
+        if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+            row = {"name": case.name, "ref": "-", "pallas": f"skipped (over --budget-s {args.budget_s:g})",
+                   "ratio": "-", "tflops": "-", "gbs": "-", "peak": "-", "check": "-", "status": "skipped"}
+        else:
+            row = run_case(case, args, on_gpu)
         rows.append(row)
         cells = [module, row["name"], row["ref"], row["pallas"], row["ratio"], row["tflops"], row["gbs"],
                  row["peak"]] + ([row["check"]] if args.check else [])
@@ -169,7 +207,9 @@ def main(argv=None) -> int:
         print(f"\nnote: {note}")
     errors = sum(row["status"] == "error" for row in rows)
     failures = sum(row["status"] == "fail" for row in rows)
-    print(f"\n{len(rows)} cases, {failures} FAIL, {errors} ERROR")
+    skipped = sum(row["status"] == "skipped" for row in rows)
+    print(f"\n{len(rows)} cases, {failures} FAIL, {errors} ERROR, {skipped} skipped "
+          f"({time.perf_counter() - started:.0f} s)")
     return 1 if errors or failures or not rows else 0
 
 

@@ -250,7 +250,7 @@ def _heads_first(x, length, head_pad):
     return jnp.pad(x, pad).transpose(0, 2, 1, 3)
 
 
-def _block_ranges(q_pos, q_seg, k_pos, k_seg, block_q, block_k, window):
+def block_ranges(q_pos, q_seg, k_pos, k_seg, block_q, block_k, window):
     """Conservative visibility per (query block, key block) from min/max summaries.
 
     Padded int arrays [B, Tp] and [B, Sp] -> bool [B, nq, nk]; False means no query of the block
@@ -276,7 +276,7 @@ def _block_ranges(q_pos, q_seg, k_pos, k_seg, block_q, block_k, window):
     return possible
 
 
-def _loop_bounds(possible):
+def loop_bounds(possible):
     """bool [B, rows, cols] -> int32 [B * rows * 2]: per row the [first, last + 1) True column
     (0, 0 when none), flattened so a kernel reads them as scalars."""
     cols = possible.shape[-1]
@@ -295,7 +295,7 @@ def _prepare(plan: _Plan, query, key, value, q_pos, k_pos, q_seg, k_seg):
     q_seg = _pad_time(q_seg, t_pad, PAD_QUERY_SEGMENT)
     k_pos = _pad_time(k_pos, s_pad, PAD_KEY_POSITION)
     k_seg = _pad_time(k_seg, s_pad, PAD_KEY_SEGMENT)
-    possible = _block_ranges(q_pos, q_seg, k_pos, k_seg, plan.block_q, plan.block_k, plan.window)
+    possible = block_ranges(q_pos, q_seg, k_pos, k_seg, plan.block_q, plan.block_k, plan.window)
     return {
         "q": _heads_first(query, t_pad, plan.head_pad),  # [B, N, Tp, Hp]
         "k": _heads_first(key, s_pad, plan.head_pad),  # [B, N, Sp, Hp]
@@ -304,8 +304,8 @@ def _prepare(plan: _Plan, query, key, value, q_pos, k_pos, q_seg, k_seg):
         "q_rows": (q_pos.reshape(batch, -1, plan.block_q), q_seg.reshape(batch, -1, plan.block_q)),
         "k_cols": (k_pos[..., None], k_seg[..., None]),  # [B, Sp, 1]
         "k_rows": (k_pos.reshape(batch, -1, plan.block_k), k_seg.reshape(batch, -1, plan.block_k)),
-        "q_bounds": _loop_bounds(possible),  # per query block: key blocks [lo, hi)
-        "k_bounds": _loop_bounds(possible.transpose(0, 2, 1)),  # per key block: query blocks
+        "q_bounds": loop_bounds(possible),  # per query block: key blocks [lo, hi)
+        "k_bounds": loop_bounds(possible.transpose(0, 2, 1)),  # per key block: query blocks
     }
 
 

@@ -18,10 +18,10 @@ from glm5_jax.model.mla import attend
 from kernels_pallas import flash_attention as flash_module
 from kernels_pallas.common import CUSTOM_CALL_MARKERS, lower_as_text
 from kernels_pallas.flash_attention import (
-    _block_ranges,
-    _loop_bounds,
+    block_ranges,
     flash_attention,
     flash_attention_reference,
+    loop_bounds,
 )
 
 TOLERANCES = {jnp.float32: (1e-5, 1e-4), jnp.bfloat16: (2e-2, 2e-2)}  # (forward, gradients)
@@ -106,13 +106,13 @@ def test_block_ranges_skip_invisible_key_blocks():
     blocks of its own document up to the diagonal; a window of 8 keeps at most two blocks."""
     positions = jnp.concatenate([jnp.arange(32), jnp.arange(32)])[None].astype(jnp.int32)
     segments = jnp.repeat(jnp.arange(2), 32)[None].astype(jnp.int32)
-    possible = _block_ranges(positions, segments, positions, segments, 8, 8, 0)
-    bounds = np.asarray(_loop_bounds(possible)).reshape(8, 2)
+    possible = block_ranges(positions, segments, positions, segments, 8, 8, 0)
+    bounds = np.asarray(loop_bounds(possible)).reshape(8, 2)
     np.testing.assert_array_equal(bounds[:, 0], [0, 0, 0, 0, 4, 4, 4, 4])
     np.testing.assert_array_equal(bounds[:, 1], np.arange(1, 9))
-    windowed = np.asarray(_loop_bounds(_block_ranges(positions, segments, positions, segments, 8, 8, 8)))
+    windowed = np.asarray(loop_bounds(block_ranges(positions, segments, positions, segments, 8, 8, 8)))
     np.testing.assert_array_equal(windowed.reshape(8, 2)[:, 0], [0, 0, 1, 2, 4, 4, 5, 6])
-    key_side = np.asarray(_loop_bounds(possible.transpose(0, 2, 1))).reshape(8, 2)
+    key_side = np.asarray(loop_bounds(possible.transpose(0, 2, 1))).reshape(8, 2)
     np.testing.assert_array_equal(key_side[:, 1], [4, 4, 4, 4, 8, 8, 8, 8])
 
 

@@ -140,7 +140,17 @@ def test_native_and_banded_products_match_dequantize():
     straddle block edges), "native" against "dequantize": the kv_b products (banded weight-only
     dots, the same code for "pallas") equal it to float32 rounding; the fp8 dots of o_proj and
     the gathered experts are within the activation rounding (measured 2e-2 relative). The
-    kernel's own multi-block checks are above; the serving-step test runs "pallas" end to end."""
+    kernel's own multi-block checks are above; the serving-step test runs "pallas" end to end.
+
+    Whether the activations' fp8 rounding survives compilation is XLA's choice per platform.
+    XLA:CPU keeps it for every product. XLA:GPU (H200, jax 0.11.2) kept it for o_proj but not
+    for the gathered experts (error 1.2e-7, i.e. "dequantize" up to summation order). There every
+    float8 x float8 dot has one row (`fp8_matmul_batched` with tokens = 1: a matrix-vector product
+    per (token, k)); the likely path (inferred from XLA's GPU pipeline, not from an HLO dump) is
+    that XLA:GPU does not make it an FP8 GEMM, upcasts the float8 operands (FloatNormalization),
+    and, with xla_allow_excess_precision on by default, SimplifyFPConversions folds the
+    activations' float32 -> float8 -> float32 round trip away: a weight-only fp8 product. Off
+    the CPU the experts product may therefore be either; both are within its bound."""
     rng = np.random.default_rng(3)
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
     matrix, stack = _problem(False, jnp.float32)[1], _problem(True, jnp.float32)[1]  # [300, 200], [4, ...]
@@ -160,11 +170,17 @@ def test_native_and_banded_products_match_dequantize():
 
     want, got = products("dequantize", weights, inputs), products("native", weights, inputs)
     bounds = {"o_proj": 0.06, "value half": 1e-6, "key half": 1e-6, "experts": 0.06}
+    may_fold = {"experts"} if jax.default_backend() != "cpu" else set()  # see the docstring
     for name, bound in bounds.items():
         assert got[name].shape == want[name].shape and got[name].dtype == want[name].dtype, name
         error = _relative_error(got[name], want[name])
         assert error <= bound, (name, error)
-        assert bound < 1e-5 or error > 1e-4, name  # the fp8 dot ran (activations rounded)
+        if bound < 1e-5:
+            continue
+        if name in may_fold:  # rounded activations, or none at all (weight-only), not in between
+            assert error > 1e-4 or error < 1e-5, (name, error)
+        else:
+            assert error > 1e-4, (name, error)  # the fp8 dot ran (activations rounded)
 
 
 # --- the serving step ----------------------------------------------------------------------------
