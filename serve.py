@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 # The execution flags' one definition (plain tuples and argparse: --help needs no JAX).
 from glm5_jax.execution_flags import EXECUTION_FLAGS, add_execution_flags
@@ -205,14 +206,16 @@ def default_template_kwargs(checkpoint: Path, asked: dict | None) -> dict:
     return {"enable_thinking": False} if (checkpoint / "checkpoints").is_dir() else {}
 
 
-def serve_until_failure(server, engine, poll_seconds: float = 0.5) -> str | None:
-    """Runs the uvicorn `server` until it stops, stopping it (gracefully) once engine.failure is set;
-    returns that failure (None: the server stopped for another reason, e.g. Ctrl-C)."""
+def serve_until_failure(server, engine, poll_seconds: float = 0.5, linger_seconds: float = 0.0) -> str | None:
+    """Runs the uvicorn `server` until it stops, stopping it (gracefully) once engine.failure is set,
+    after `linger_seconds` in which /health answers 503 with the reason; returns that failure
+    (None: the server stopped for another reason, e.g. Ctrl-C)."""
     stopped = threading.Event()
 
     def watch():  # a thread, so that server.run() keeps uvicorn's own choice of event loop
         while not stopped.wait(poll_seconds):
             if engine.failure is not None:
+                stopped.wait(linger_seconds)
                 server.should_exit = True  # uvicorn's main loop checks it every 0.1 s
                 return
 
@@ -222,6 +225,39 @@ def serve_until_failure(server, engine, poll_seconds: float = 0.5) -> str | None
     finally:
         stopped.set()
     return engine.failure
+
+
+class Processes(NamedTuple):
+    index: int
+    count: int
+
+
+def jax_processes(distributed: bool, mesh: str | None) -> Processes | None:
+    """This process's place in a multi-process server (None: one process). Several processes
+    serve one model on a mesh over all their devices (docs/serving.md), so --mesh is required."""
+    if not distributed:
+        return None
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    if not mesh:
+        sys.exit("error: serving from several processes needs --mesh over all their devices (e.g. "
+                 "--mesh tensor=2,expert=2 for 2 processes of 2 devices)")
+    return Processes(jax.process_index(), jax.process_count())
+
+
+def cross_process_axes(mesh) -> str:
+    """Which mesh axes cross processes (their collectives travel between hosts) and which stay
+    inside one, e.g. "expert across processes, tensor within"."""
+    import numpy as np
+
+    owners = np.vectorize(lambda device: device.process_index)(mesh.devices)
+    across = [name for axis, name in enumerate(mesh.axis_names)
+              if mesh.devices.shape[axis] > 1 and (np.diff(owners, axis=axis) != 0).any()]
+    within = [name for axis, name in enumerate(mesh.axis_names)
+              if mesh.devices.shape[axis] > 1 and name not in across]
+    return f"{', '.join(across) or 'no axis'} across processes, {', '.join(within) or 'no axis'} within"
 
 
 def mesh_shardings(text: str, placed: dict, config, params=None):
@@ -250,6 +286,8 @@ def main(argv=None) -> int:
         reuse_freed_memory()
     checkpoint = resolve_checkpoint(args.checkpoint)
     server_config = read_server_config(args.server_config)  # before the slow model load
+    from glm5_jax.parallel.distributed import initialize_distributed
+    processes = jax_processes(initialize_distributed(), args.mesh)
     feedback_log = open_feedback_log(args.feedback_dir)
     # Imported here: loading JAX and the model is slow, and `--help` should not need it.
     from glm5_jax.api.app import create_app
@@ -278,14 +316,24 @@ def main(argv=None) -> int:
     if args.speculative_tokens and not config.num_mtp_layers:
         sys.exit(f"error: --speculative-tokens drafts with the model's MTP layer, and {checkpoint} has none "
                  "(num_nextn_predict_layers = 0); serve it without --speculative-tokens")
+    if processes and processes.index != 0:  # a follower: no HTTP, process 0's runner calls
+        from glm5_jax.engine.multihost import CommandChannel, follow
+        print(f"process {processes.index} of {processes.count}: serving process 0's steps", flush=True)
+        follow(CommandChannel(), config, params, placed["mesh"])
+        return 0
     model_id = args.model_id or server_config.model_id or checkpoint.resolve().name
     template_defaults = default_template_kwargs(checkpoint, args.default_chat_template_kwargs)
     metrics = ServerMetrics()
+    runner = {}
+    if processes:
+        from glm5_jax.engine.multihost import CommandChannel, mirrored_runner_factory
+        runner["runner_factory"] = mirrored_runner_factory(CommandChannel())
     engine = Engine(config, params, tokenizer, max_slots=args.max_slots, max_context=args.max_context,
                     page_size=args.page_size, num_pages=args.num_pages, token_budget=args.token_budget,
                     prefix_caching=args.prefix_caching, host_cache_pages=args.host_cache_pages,
                     max_waiting=args.max_waiting or None, decode_steps=args.decode_steps, observer=metrics,
-                    options=options, mesh=placed.get("mesh"), speculative_tokens=args.speculative_tokens)
+                    options=options, mesh=placed.get("mesh"), speculative_tokens=args.speculative_tokens,
+                    **runner)
     del params  # the engine holds what it serves (per-layer arrays when unrolled): free the loaded stacks
     app = create_app(engine, model_id, api_key=args.api_key, chat_template=load_chat_template(checkpoint),
                      special_tokens=load_special_tokens(checkpoint), server_config=server_config,
@@ -297,6 +345,8 @@ def main(argv=None) -> int:
     warm_up(engine)
     aliases = f" (aliases: {', '.join(server_config.model_aliases)})" if server_config.model_aliases else ""
     on = f", mesh {args.mesh}" if args.mesh else ""
+    if processes:
+        on += f" over {processes.count} processes ({cross_process_axes(placed['mesh'])})"
     print(f"serving {model_id!r}{aliases} from {checkpoint} at http://{args.host}:{args.port}/v1 "
           f"(max_context {engine.max_context}, {args.max_slots} slots{on}, metrics at /metrics; "
           f"{options.dtype}, moe_impl {options.moe_impl}, scan_unroll {options.scan_unroll}, "
@@ -312,12 +362,25 @@ def main(argv=None) -> int:
                          shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.read_timeout,
                          limit_concurrency=args.limit_concurrency)
     failure = None
+    watch = None
+    if processes:  # a follower that stops fails the job (/health says so first)
+        from glm5_jax.engine.multihost import FollowerWatch
+        watch = FollowerWatch(functools.partial(setattr, engine, "failure"))
     try:
-        failure = serve_until_failure(server, engine)
+        failure = serve_until_failure(server, engine, linger_seconds=2.0 if processes else 0.0)
     except KeyboardInterrupt:  # a second Ctrl-C during the drain
         pass
     finally:
+        if watch is not None:
+            watch.stop()
+        if processes and failure is not None:
+            # The engine thread may wait in a collective with the lost process: end now, not at
+            # JAX's shutdown barrier.
+            print(f"error: {failure}", file=sys.stderr, flush=True)
+            os._exit(1)
         engine.shutdown()
+        if processes:
+            engine.runner.close()  # the followers stop and exit 0
         if feedback_log is not None:
             feedback_log.close()  # waits for the records still being written
     if failure is not None:

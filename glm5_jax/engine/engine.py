@@ -152,7 +152,9 @@ class _Request:
 
 class Engine:
     """Serves one model. Thread-safe `submit`; call it from the asyncio event loop. mesh: a
-    `jax.sharding.Mesh` to serve on (see ModelRunner), None for one device."""
+    `jax.sharding.Mesh` to serve on (see ModelRunner), None for one device. runner_factory: what
+    builds the runner from ModelRunner's arguments (multi-process serving passes
+    multihost.mirrored_runner_factory)."""
 
     def __init__(self, config: ModelConfig, params, tokenizer: tokenizers.Tokenizer | None, *,
                  max_slots: int = 8, max_context: int = 1024, seed: int | None = None, page_size: int = 16,
@@ -160,7 +162,7 @@ class Engine:
                  host_cache_pages: int = 0, observer: EngineObserver | None = None,
                  max_waiting: int | None = None, decode_steps: int = DEFAULT_DECODE_STEPS, options=None,
                  block_positions: int = DEFAULT_BLOCK_POSITIONS, max_consecutive_failures: int = 3,
-                 mesh=None, speculative_tokens: int = 0):
+                 mesh=None, speculative_tokens: int = 0, runner_factory=ModelRunner):
         if max_slots < 1 or max_context < 2:
             raise ValueError(f"max_slots ({max_slots}) must be >= 1 and max_context ({max_context}) >= 2")
         if page_size < 1:
@@ -189,10 +191,10 @@ class Engine:
         self.speculative_tokens = speculative_tokens
         self.max_consecutive_failures = max_consecutive_failures
         self.observer = observer or EngineObserver()
-        self.runner = ModelRunner(config, params, max_slots=max_slots, num_pages=num_pages,
-                                  page_size=page_size, max_pages=self.max_pages, options=options,
-                                  block_positions=block_positions, mesh=mesh,
-                                  speculative_tokens=speculative_tokens)
+        self.runner = runner_factory(config, params, max_slots=max_slots, num_pages=num_pages,
+                                     page_size=page_size, max_pages=self.max_pages, options=options,
+                                     block_positions=block_positions, mesh=mesh,
+                                     speculative_tokens=speculative_tokens)
         self._host_cache_pages = host_cache_pages
         self.scheduler = Scheduler(self._new_allocator(num_pages), max_slots=max_slots,
                                    max_context=self.max_context, page_size=page_size,

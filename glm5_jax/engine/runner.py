@@ -53,6 +53,17 @@ from glm5_jax.parallel.sharding import SERVING_RULES, activate, replicated, serv
 MAX_STOP_IDS = 16  # stop token ids the device checks per row (the host re-checks all of them)
 
 
+def host_array(array) -> np.ndarray:
+    """A device array as a host array. One split over other processes' devices (multi-process
+    serving, glm5_jax/engine/multihost.py) is gathered first: a collective, which every process
+    reaches at the same point because every process makes the same runner calls."""
+    if isinstance(array, jax.Array) and not (array.is_fully_addressable or array.is_fully_replicated):
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return np.asarray(array)
+
+
 class DecodeCall(NamedTuple):
     """A dispatched `decode_loop` or `speculative_loop` (JAX dispatch is asynchronous: nothing
     waits for it here). outputs: device arrays [steps, R] (see Sampled; [steps * (N + 1), R] for
@@ -233,8 +244,9 @@ class ModelRunner:
             self.sampling = set_slot(self.sampling, slot, params, prompt_ids, seed)
 
     def read_slot(self, slot: int) -> SamplingState:
-        """The slot's sampler state (parameters, key, counts), to restore after preemption."""
-        return jax.tree.map(lambda a: a[slot], self.sampling)
+        """The slot's sampler state (parameters, key, counts) as host arrays, to restore after
+        preemption."""
+        return jax.tree.map(lambda a: host_array(a[slot]), self.sampling)
 
     def write_slot(self, slot: int, row: SamplingState) -> None:
         with self._on_mesh():
@@ -243,7 +255,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ pages
     def read_page(self, page: int):
         with self._on_mesh():
-            return jax.tree.map(np.asarray, read_page(self.cache, jnp.int32(page), num_pages=self.num_pages))
+            return jax.tree.map(host_array, read_page(self.cache, jnp.int32(page), num_pages=self.num_pages))
 
     def write_page(self, page: int, data) -> None:
         with self._on_mesh():
@@ -295,8 +307,8 @@ class ModelRunner:
                 jnp.asarray(allowed), None if targets is None else jnp.asarray(targets), self.drafts,
                 None if self.drafts is None else jnp.asarray(next_tokens),
                 options=self.options, block_pages=self.block_pages)
-        scored = None if scores is None else Scored(*(np.asarray(a) for a in scores))
-        return Sampled(*(np.asarray(a) for a in outputs)), scored
+        scored = None if scores is None else Scored(*(host_array(a) for a in scores))
+        return Sampled(*(host_array(a) for a in outputs)), scored
 
     def launch_decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int,
                       logprobs_wanted: bool = True, allowed: np.ndarray | None = None) -> DecodeCall:
@@ -328,7 +340,7 @@ class ModelRunner:
     @staticmethod
     def fetch(call: DecodeCall) -> Sampled:
         """Waits for a dispatched call; its [steps, R] outputs as host arrays."""
-        return Sampled(*(np.asarray(a) for a in call.outputs))
+        return Sampled(*(host_array(a) for a in call.outputs))
 
     def decode(self, tokens, positions, tables, slots, remaining, stop_ids, steps: int,
                logprobs_wanted: bool = True, allowed: np.ndarray | None = None) -> Sampled:
