@@ -41,13 +41,20 @@ SIGTERM or Ctrl-C saves a checkpoint and exits; SIGKILL never corrupts the lates
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from glm5_jax.host_memory import reuse_freed_memory
-from glm5_jax.parallel.mesh import initialize_distributed
+from glm5_jax.parallel.distributed import (
+    Timeouts,
+    exit_at_once_on_error,
+    initialize_distributed,
+    is_primary,
+)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/demo.py", "Training config file (a Python file with get_config()).")
@@ -57,6 +64,16 @@ _REUSE_HOST_MEMORY = flags.DEFINE_bool(
     "reuse_host_memory", True, "Keep freed host memory for reuse (glibc malloc: one heap, never "
     "trimmed), so a CPU step's temporaries do not page-fault in again each step (moe16 train step "
     "-25%); the process keeps its peak memory (glm5_jax/host_memory.py).")
+# Multi-process runs (python -m glm5_jax.launch, or a cluster: docs/scaling.md).
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    "heartbeat_timeout", Timeouts.heartbeat, "Multi-process: seconds without a heartbeat after which "
+    "a process counts as dead and every other process is ended (JAX's default is 100).")
+_SHUTDOWN_TIMEOUT = flags.DEFINE_integer(
+    "shutdown_timeout", Timeouts.shutdown, "Multi-process: seconds a finished process waits for the "
+    "others at the end (JAX's default is 300).")
+_INITIALIZATION_TIMEOUT = flags.DEFINE_integer(
+    "initialization_timeout", Timeouts.initialization, "Multi-process: seconds every process has "
+    "to connect to the coordinator at the start.")
 
 
 def main(argv):
@@ -64,11 +81,17 @@ def main(argv):
     if _REUSE_HOST_MEMORY.value:  # before JAX starts its CPU threads
         reuse_freed_memory()
     logging.set_verbosity(logging.WARNING)  # orbax reports every file it writes at INFO
-    initialize_distributed()  # multi-host: JAX's runtime from the cluster environment; else no-op
+    # Multi-process: JAX's runtime from the launcher's or the cluster's environment; else no-op.
+    distributed = initialize_distributed(Timeouts(initialization=_INITIALIZATION_TIMEOUT.value,
+                                                  heartbeat=_HEARTBEAT_TIMEOUT.value,
+                                                  shutdown=_SHUTDOWN_TIMEOUT.value))
+    if distributed and not is_primary():  # process 0 reports the run; errors (stderr) come from all
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's prints and C++'s
     from glm5_jax.train.loop import setup_run, train_loop  # JAX loads after the malloc setting above
 
     config_name = Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem
-    train_loop(setup_run(_CONFIG.value, _WORKDIR.value or f"runs/{config_name}"))
+    with exit_at_once_on_error(distributed):  # a failing process must not wait for the others
+        train_loop(setup_run(_CONFIG.value, _WORKDIR.value or f"runs/{config_name}"))
 
 
 if __name__ == "__main__":

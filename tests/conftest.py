@@ -65,9 +65,9 @@ def tiny_config():
 
 # Modules whose tests take longest (docs/testing.md), started first so no worker is left with
 # a long tail at the end; the rest keep their file order.
-SLOW_FIRST = ("test_parallel", "test_train_cli", "test_serve_mesh", "test_train_step", "test_soak",
-              "test_kernel_switch", "test_kernels_moe", "test_engine", "test_speculative", "test_serve_e2e",
-              "test_structured", "test_model")
+SLOW_FIRST = ("test_parallel", "test_multihost", "test_train_cli", "test_serve_mesh", "test_train_step",
+              "test_soak", "test_kernel_switch", "test_kernels_moe", "test_engine", "test_speculative",
+              "test_serve_e2e", "test_structured", "test_model")
 
 
 def pytest_collection_modifyitems(config, items):

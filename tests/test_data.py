@@ -222,25 +222,6 @@ def test_iterator_state_restores_after_json_round_trip(corpus, sources, tmp_path
         assert np.all(expected[0]["segment_ids"] == 1)  # one whole document per row
 
 
-def test_shards_are_disjoint_and_cover_the_training_documents(corpus):
-    tokenizer = corpus["tokenizer"]
-    (everything,) = training_documents([corpus["lower"]], seed=0, validation_fraction=0.2)
-    shards = [training_documents([corpus["lower"]], seed=0, validation_fraction=0.2,
-                                 shard_index=index, shard_count=3)[0] for index in range(3)]
-    ids = [{document.doc_id for document in shard} for shard in shards]
-    assert all(ids[i].isdisjoint(ids[j]) for i in range(3) for j in range(i + 1, 3))
-    assert set().union(*ids) == {document.doc_id for document in everything}
-    for index, shard in enumerate(shards):
-        iterator = _train(corpus, [corpus["lower"]], shard_index=index, shard_count=3)
-        batches = _take(iterator, 8)  # enough rows to hold complete documents in every shard
-        pieces = [piece for row in range(BATCH)
-                  for piece in _pieces(_stream(batches, row), end_of_text_id(tokenizer))]
-        own = {tuple(tokenizer.encode(document.text).ids) for document in shard}
-        assert pieces and all(tuple(piece) in own for piece in pieces)
-    with pytest.raises(ValueError, match="shard_index 3"):
-        _train(corpus, [corpus["lower"]], shard_index=3, shard_count=3)
-
-
 def test_mixture_follows_weights(corpus):
     lower = SourceSpec(kind="files", paths=corpus["lower"].paths, weight=3.0)
     upper = SourceSpec(kind="files", paths=corpus["upper"].paths, weight=1.0)

@@ -1,5 +1,7 @@
 """A tiny training config for the train.py tests: `--config tests/train_config.py:<data glob>`, or
-`tests/train_config.py:chat:<path>` for chat_jsonl data, `...:pairs:<path>` for preference pairs."""
+`tests/train_config.py:chat:<path>` for chat_jsonl data, `...:pairs:<path>` for preference pairs;
+`tests/train_config.py:mesh:<data glob>` adds a mesh section (data=-1, the other axes 1) for
+`--config.mesh.<axis>=<size>` overrides."""
 
 import ml_collections
 
@@ -15,6 +17,10 @@ def source(data: str) -> dict:
 
 def get_config(data_glob: str = "") -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
+    if data_glob.startswith("mesh:"):
+        data_glob = data_glob.removeprefix("mesh:")
+        config.mesh = ml_collections.ConfigDict(dict(pipeline=1, data=-1, fsdp=1, context=1, expert=1,
+                                                     tensor=1))
     config.model = ml_collections.ConfigDict(dict(
         vocab_size=512, hidden_size=32, dense_intermediate_size=64, moe_intermediate_size=16,
         num_layers=2, num_dense_layers=1, num_heads=2, q_lora_rank=24, kv_lora_rank=16,

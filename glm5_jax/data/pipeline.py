@@ -2,7 +2,8 @@
 
 Training (per source, then mixed):
 
-    documents (train split, this host's shard: every shard_count-th document from shard_index)
+    documents (the train split; every process of a multi-process run reads the same global
+              batches and places its own devices' rows: glm5_jax/train/loop.py)
     -> split into batch_size streams        so every row of a batch comes from a different place
     -> per stream: MapDataset.shuffle(seed).repeat()   every epoch reshuffled (seed + epoch)
     -> map(tokenise)                        lazily, only what is consumed; `<|endoftext|>` appended
@@ -82,31 +83,23 @@ def _derived_seed(seed: int, *parts: object) -> int:
 
 def training_documents(
     sources: Sequence[SourceSpec], *, seed: int, validation_fraction: float,
-    shard_index: int = 0, shard_count: int = 1,
 ) -> list[list[Document]]:
-    """This shard's training documents, per source.
+    """The training documents, per source.
 
     Args:
         sources: the sources.
         seed: split seed.
         validation_fraction: share of documents held out for validation.
-        shard_index: this host's shard, in [0, shard_count).
-        shard_count: number of shards (hosts); shards are disjoint and together cover the train split.
     Returns:
         one list of Document per source, sorted by doc_id.
     """
-    if not 0 <= shard_index < shard_count:
-        raise ValueError(f"shard_index {shard_index} is not in [0, shard_count={shard_count})")
     per_source = []
     for spec in sources:
         train, _ = split_documents(load_documents(spec), validation_fraction, seed)
-        shard = train[shard_index::shard_count]
-        if not shard:
-            raise ValueError(
-                f"source {spec.name!r}: shard {shard_index} of {shard_count} has no training documents "
-                f"({len(train)} in the train split)"
-            )
-        per_source.append(shard)
+        if not train:
+            raise ValueError(f"source {spec.name!r} has no training documents (validation_fraction "
+                             f"{validation_fraction} leaves none)")
+        per_source.append(train)
     return per_source
 
 
@@ -337,19 +330,18 @@ def _scheduled_batches(sources: Sequence[SourceSpec], shards: list[list[Document
 
 def make_train_iterator(
     sources: Sequence[SourceSpec], tokenizer: Tokenizer, *, seq_len: int, batch_size: int, seed: int,
-    validation_fraction: float, shard_index: int = 0, shard_count: int = 1, chat_renderer=None,
-    chat_statistics=None, schedule: MixtureSchedule | None = None,
+    validation_fraction: float, chat_renderer=None, chat_statistics=None,
+    schedule: MixtureSchedule | None = None,
 ) -> grain.DatasetIterator:
-    """An endless, deterministic iterator of packed training batches for this shard.
+    """An endless, deterministic iterator of packed training batches.
 
     Args:
         sources: the sources; their weights set the share of rows (tokens) each contributes.
         tokenizer: the tokenizer (must have `<|endoftext|>`).
         seq_len: tokens per row.
-        batch_size: rows per batch (per host).
+        batch_size: rows per batch (the global batch: the same in every process).
         seed: seeds the split and the per-epoch shuffles.
         validation_fraction: share of documents held out (must match make_validation_batches).
-        shard_index, shard_count: this host's disjoint share of the training documents.
         chat_renderer: a glm5_jax.chat.template.ChatRenderer for chat_jsonl sources (None: the
             built-in GLM-5 format).
         chat_statistics: a glm5_jax.data.chat.ChatStatistics that counts the chat examples kept,
@@ -365,10 +357,7 @@ def make_train_iterator(
     _check_shapes(seq_len, batch_size)
     if not sources:
         raise ValueError("make_train_iterator needs at least one source")
-    shards = training_documents(
-        sources, seed=seed, validation_fraction=validation_fraction,
-        shard_index=shard_index, shard_count=shard_count,
-    )
+    shards = training_documents(sources, seed=seed, validation_fraction=validation_fraction)
     if _preference_sources(sources):
         if schedule is not None:
             raise ValueError("preference_jsonl sources (DPO pairs) are not mixed by a schedule")

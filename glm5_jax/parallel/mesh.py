@@ -6,15 +6,14 @@ Sizes multiply to the device count; one size may be -1 to take what is left. The
 `tensor` innermost (the fastest links: NVLink within a node, neighbouring TPU chips) and
 `pipeline` outermost (the least traffic). `context` splits each sequence (context parallelism:
 glm5_jax/parallel/sharding.py maps the logical `length` axis to it); it sits inside the batch
-axes and outside `expert` and `tensor`. Multi-host runs call `initialize_distributed()` first:
-JAX's own multi-controller runtime, configured from the standard environment.
+axes and outside `expert` and `tensor`. Multi-process runs join JAX's runtime first
+(glm5_jax/parallel/distributed.py); the mesh then spans every process's devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -106,22 +105,3 @@ def make_mesh(spec: MeshSpec, requirements: Mapping[str, Mapping[str, int]] | No
     shape = tuple(sizes[name] for name in MESH_AXES)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
                          devices=devices)
-
-
-def initialize_distributed() -> bool:
-    """jax.distributed.initialize() when a multi-process environment is present (coordinator
-    address set explicitly, or a cluster JAX detects: SLURM, Open MPI, Cloud TPU pods).
-    Returns whether it ran. Single-process runs skip it."""
-    explicit = "JAX_COORDINATOR_ADDRESS" in os.environ
-    cluster = any(name in os.environ for name in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
-                                                   "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS"))
-    if not (explicit or cluster):
-        return False
-    if explicit:
-        jax.distributed.initialize(
-            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-            process_id=int(os.environ["JAX_PROCESS_ID"]))
-    else:
-        jax.distributed.initialize()
-    return True

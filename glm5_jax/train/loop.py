@@ -30,6 +30,7 @@ from glm5_jax.model.config import mesh_requirements
 from glm5_jax.model.count import count_params
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.parallel import sharding as sharding_lib
+from glm5_jax.parallel.distributed import any_process, barrier, is_primary
 from glm5_jax.parallel.mesh import MeshError, MeshSpec, make_mesh
 from glm5_jax.train import init_from as init_from_lib
 from glm5_jax.train.checkpoints import CheckpointError, RunCheckpoints
@@ -72,10 +73,13 @@ class Run:
 
 
 class StopRequested:
-    """Turns SIGTERM / SIGINT into a flag the loop checks between steps."""
+    """Turns SIGTERM / SIGINT into a flag the loop checks between steps. In a multi-process run
+    the processes agree on it after every step (`agreed`): a signal that reaches one process, or
+    reaches them during different steps, stops them all after the same step."""
 
     def __init__(self):
         self.signal_name = None
+        self.stopping = False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
@@ -85,12 +89,19 @@ class StopRequested:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
 
+    def agreed(self) -> bool:
+        """Whether any process has been asked to stop (the same answer in every process)."""
+        self.stopping = self.stopping or any_process(self.signal_name is not None)
+        return self.stopping
+
 
 def prepare_workdir(path: str) -> Path:
+    """Creates the run directory and checks it is writable. Every process of a multi-process run
+    probes it (a shared directory, or one per host) under its own file name."""
     workdir = Path(path)
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / ".write-test"
+        probe = workdir / f".write-test.{jax.process_index()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as error:
@@ -163,20 +174,26 @@ def setup_run(config: ml_collections.ConfigDict, workdir_path: str) -> Run:
                                      "(preference_jsonl pairs train with objective='dpo')"))
         data_schedule = schedule_from_config(config.data.get("schedule"), sources)  # None: fixed weights
         # config.mesh (optional): axis sizes; config.sharding_rules: logical axis overrides.
+        # Several processes always need one (default: data=-1, every device of every process).
         mesh = None
-        if "mesh" in config:
-            mesh = make_mesh(MeshSpec.from_dict(config.mesh), mesh_requirements(model_config))
+        if "mesh" in config or jax.process_count() > 1:
+            mesh = make_mesh(MeshSpec.from_dict(config.get("mesh")), mesh_requirements(model_config))
             rules = sharding_lib.make_rules(config.get("sharding_rules"))
-            if settings.batch_size % jax.process_count():
-                raise ValueError(f"batch_size={settings.batch_size} must divide over "
-                                 f"{jax.process_count()} hosts")
+            spec = (*sharding_lib.batch_sharding(mesh, rules).spec, None, None)[:2]  # rows, positions
+            splits = [math.prod(mesh.shape[name] for name in
+                                ((axes,) if isinstance(axes, str) else axes or ())) for axes in spec]
+            if settings.batch_size % splits[0] or config.data.seq_len % splits[1]:
+                raise ValueError(f"batch_size={settings.batch_size} and data.seq_len={config.data.seq_len} "
+                                 f"must divide over the mesh: rows {splits[0]} ways, positions {splits[1]}")
     except (ConfigError, MeshError, ValueError) as error:
         raise SystemExit(f"error: bad config: {error}") from None
     except (RunNotFoundError, FileNotFoundError) as error:
         raise SystemExit(f"error: {error}") from None
     workdir = prepare_workdir(workdir_path)
     run_config = config.to_dict()
-    (workdir / "run_config.json").write_text(json.dumps(run_config, indent=2))
+    primary = is_primary()  # process 0 writes the run's files; the others read them
+    if primary:
+        (workdir / "run_config.json").write_text(json.dumps(run_config, indent=2))
 
     # ---------------------------------------------------------------- tokenizer and data
     try:
@@ -186,29 +203,36 @@ def setup_run(config: ml_collections.ConfigDict, workdir_path: str) -> Run:
             cache_dir = str(Path(config.data.cache_dir or workdir).expanduser())
             trains = not config.data.tokenizer_path and not tokenizer_cache_path(
                 sources, config.data.vocab_size, cache_dir).is_file()
+            if not primary:  # process 0 trains and caches it; the others load the cache
+                barrier("glm5_jax_tokenizer")
             with Phase(f"training a byte-level BPE tokenizer (vocab {config.data.vocab_size}) on the "
                        f"sources, cached in {cache_dir}", "trained the tokenizer"
                        ) if trains else contextlib.nullcontext():
                 tokenizer = data_lib.load_or_train_tokenizer(
                     config.data.tokenizer_path or None, sources, config.data.vocab_size, cache_dir)
+            if primary:
+                barrier("glm5_jax_tokenizer")
         data_lib.check_vocab_fits(tokenizer, model_config.vocab_size)
     except (FileNotFoundError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
-    tokenizer.save(str(workdir / "tokenizer.json"))
-    if settings.init_from:
-        init_from_lib.copy_chat_files(settings.init_from, workdir)
+    if primary:
+        tokenizer.save(str(workdir / "tokenizer.json"))
+        if settings.init_from:
+            init_from_lib.copy_chat_files(settings.init_from, workdir)
+    barrier("glm5_jax_run_files")  # the chat template is read below
     data_options = dict(seq_len=config.data.seq_len, seed=config.data.seed,
                         validation_fraction=config.data.validation_fraction)
     chat_statistics = {}
     if any(spec.kind in ("chat_jsonl", "preference_jsonl") for spec in sources):  # the run's chat template
         data_options["chat_renderer"] = chat_renderer(workdir)
         chat_statistics = {"train": ChatStatistics(), "validation": ChatStatistics()}
-    # batch_size is global; each host loads its own rows from its own shard of the documents.
+    # batch_size is global, and so is the order: every process reads the same global batches (the
+    # same iterator state, saved once) and places only its devices' rows (place_batch below), so
+    # any number of processes trains on the same data and a run resumes on another process count.
     with Phase(f"reading and tokenizing the data ({len(sources)} source{'s' * (len(sources) > 1)})",
                "read the data"):
         train_batches = data_lib.make_train_iterator(
-            sources, tokenizer, batch_size=settings.batch_size // jax.process_count(),
-            shard_index=jax.process_index(), shard_count=jax.process_count(),
+            sources, tokenizer, batch_size=settings.batch_size,
             chat_statistics=chat_statistics.get("train"), schedule=data_schedule, **data_options)
         validation_batches = data_lib.make_validation_batches(
             sources, tokenizer, batch_size=settings.batch_size, max_batches=settings.eval_batches,
@@ -281,8 +305,9 @@ def setup_run(config: ml_collections.ConfigDict, workdir_path: str) -> Run:
     else:
         train_step = make_train_step(model_config, settings, optimizer, mesh, rules, options=options)
         batch_sharding = sharding_lib.batch_sharding(mesh, rules)
-        place_batch = lambda batch: {  # noqa: E731
-            key: jax.make_array_from_process_local_data(batch_sharding, np.asarray(value))
+        place_batch = lambda batch: {  # noqa: E731  the global batch -> this process's devices' slices
+            key: jax.make_array_from_callback(np.shape(value), batch_sharding,
+                                              lambda index, value=value: np.asarray(value[index]))
             for key, value in batch.items()}
         print("mesh: " + ", ".join(f"{name}={size}" for name, size in mesh.shape.items()), flush=True)
     eval_step = make_eval_step(model_config, token_bytes, options)
@@ -301,7 +326,7 @@ def setup_run(config: ml_collections.ConfigDict, workdir_path: str) -> Run:
     else:
         with_reference = lambda batch: batch  # noqa: E731
     schedule = learning_rate_schedule(settings)
-    metrics_log = MetricsLog(workdir, resume_step)
+    metrics_log = MetricsLog(workdir, resume_step, writer=primary)
     return Run(settings=settings, data_config=config.data, run_config=run_config, workdir=workdir,
         checkpoints=checkpoints, state=state, resume_step=resume_step, train_batches=train_batches,
         validation_batches=validation_batches, data_schedule=data_schedule,
@@ -341,7 +366,7 @@ def train_loop(run: Run) -> None:
     last_saved = resume_step
     progress = tqdm(total=settings.num_train_steps, initial=step, unit="step", dynamic_ncols=True,
                     mininterval=1.0, file=sys.stdout)
-    while step < settings.num_train_steps and stop.signal_name is None:
+    while step < settings.num_train_steps and not stop.agreed():
         if data_schedule is not None and data_schedule.stage_starts(step):
             # Logged under the stage's first step, so a resume at the boundary rewrites it exactly once.
             stage = data_schedule.stage_at(step)
@@ -401,12 +426,12 @@ def train_loop(run: Run) -> None:
     progress.close()
 
     # ---------------------------------------------------------------- finish
-    if stop.signal_name is not None and last_saved != step:
+    if stop.stopping and last_saved != step:
         checkpoints.save(step, state, train_batches.get_state(), run_config)
     checkpoints.close()
     metrics_log.close()
-    if stop.signal_name is not None:
-        print(f"{stop.signal_name}: saved checkpoint at step {step} in {workdir}; "
-              "run the same command to resume.")
+    if stop.stopping:
+        print(f"{stop.signal_name or 'a stop signal to another process'}: saved checkpoint at step "
+              f"{step} in {workdir}; run the same command to resume.")
     else:
         print(f"done: {step} steps; checkpoints in {checkpoints.directory}")

@@ -25,8 +25,12 @@ def _summary_writer(logdir: Path):
 
 
 class MetricsLog:
-    def __init__(self, workdir: str | os.PathLike, resume_step: int | None):
+    def __init__(self, workdir: str | os.PathLike, resume_step: int | None, writer: bool = True):
+        """writer=False (every process of a multi-process run but process 0): writes nothing."""
         self.path = Path(workdir) / METRICS_FILE
+        self.writer = writer
+        if not writer:
+            return
         if resume_step is not None and self.path.exists():
             self._truncate_after(resume_step)
         elif resume_step is None and self.path.exists():
@@ -41,6 +45,8 @@ class MetricsLog:
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, step: int, values: dict[str, Any]) -> None:
+        if not self.writer:
+            return
         record = {"step": int(step)}
         for key, value in values.items():
             record[key] = value if isinstance(value, (list, str, bool)) else float(value)
@@ -52,6 +58,8 @@ class MetricsLog:
                     self._tensorboard.add_scalar(key, value, step)
 
     def close(self) -> None:
+        if not self.writer:
+            return
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
