@@ -37,6 +37,9 @@ The config file's `get_config()` returns an ml_collections ConfigDict with these
 The workdir (default runs/<config name>) receives checkpoints/, metrics.jsonl, tokenizer.json
 and run_config.json. Re-running the same command resumes from the latest checkpoint.
 SIGTERM or Ctrl-C saves a checkpoint and exits; SIGKILL never corrupts the latest checkpoint.
+Several processes (one per host; `python -m glm5_jax.launch --processes N -- train.py ...` on one
+machine) run the same command and train on the same global batches as one process would
+(docs/scaling.md: the launcher and cluster recipes; docs/training.md: failure and resume).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from ml_collections import config_flags
 
 from glm5_jax.host_memory import reuse_freed_memory
 from glm5_jax.parallel.distributed import (
+    MODES,
     Timeouts,
     exit_at_once_on_error,
     initialize_distributed,
@@ -65,6 +69,11 @@ _REUSE_HOST_MEMORY = flags.DEFINE_bool(
     "trimmed), so a CPU step's temporaries do not page-fault in again each step (moe16 train step "
     "-25%); the process keeps its peak memory (glm5_jax/host_memory.py).")
 # Multi-process runs (python -m glm5_jax.launch, or a cluster: docs/scaling.md).
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed", "auto", list(MODES), "Join jax.distributed: auto (when the environment names a "
+    "coordinator, JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or is a SLURM step or "
+    "Open MPI job of several tasks), on (always: JAX detects the cluster itself, e.g. a Cloud TPU "
+    "pod), off (one process).")
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", Timeouts.heartbeat, "Multi-process: seconds without a heartbeat after which "
     "a process counts as dead and every other process is ended (JAX's default is 100).")
@@ -84,7 +93,8 @@ def main(argv):
     # Multi-process: JAX's runtime from the launcher's or the cluster's environment; else no-op.
     distributed = initialize_distributed(Timeouts(initialization=_INITIALIZATION_TIMEOUT.value,
                                                   heartbeat=_HEARTBEAT_TIMEOUT.value,
-                                                  shutdown=_SHUTDOWN_TIMEOUT.value))
+                                                  shutdown=_SHUTDOWN_TIMEOUT.value),
+                                         mode=_DISTRIBUTED.value)
     if distributed and not is_primary():  # process 0 reports the run; errors (stderr) come from all
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's prints and C++'s
     from glm5_jax.train.loop import setup_run, train_loop  # JAX loads after the malloc setting above

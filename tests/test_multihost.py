@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from glm5_jax.launch import free_port
+from glm5_jax.parallel.distributed import initialize_distributed, multi_process_environment
 
 pytestmark = pytest.mark.xdist_group("multihost")  # four train.py runs, two of them 2 processes
 
@@ -154,7 +155,7 @@ def test_two_processes_train_like_one_survive_sigkill_and_resume_on_either_count
     outputs = tmp_path / "launch.out", tmp_path / "launch.err"
     launcher = subprocess.Popen(
         [sys.executable, "-m", "glm5_jax.launch", "--processes", "2", "--devices-per-process", "2", "--",
-         *train_arguments(workdir, data_glob)], cwd=ROOT, env=with_devices(1),
+         *train_arguments(workdir, data_glob), "--distributed=on"], cwd=ROOT, env=with_devices(1),
         stdout=outputs[0].open("w"), stderr=outputs[1].open("w"))
     try:
         wait_for(lambda: "pids" in outputs[1].read_text(), [launcher], "the launcher's pids")
@@ -193,3 +194,20 @@ def test_a_batch_that_does_not_divide_over_the_mesh_is_named(tmp_path, data_glob
     assert result.returncode == 1
     assert ("error: bad config: batch_size=6 and data.seq_len=32 must divide over the mesh: rows 4 ways, "
             "positions 1") in result.stderr
+
+
+def test_which_environments_start_a_multi_process_run():
+    slurm = dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="node[1-2]", SLURM_PROCID="0", SLURM_LOCALID="0")
+    assert multi_process_environment({}) is None
+    assert multi_process_environment({"JAX_COORDINATOR_ADDRESS": "h:1"}) == "JAX_COORDINATOR_ADDRESS"
+    assert multi_process_environment({**slurm, "SLURM_NTASKS": "2"}) == "SLURM"
+    assert multi_process_environment({**slurm, "SLURM_NTASKS": "1"}) is None  # one task
+    assert multi_process_environment({"SLURM_JOB_ID": "7"}) is None  # a batch script outside srun
+    assert multi_process_environment({"OMPI_COMM_WORLD_SIZE": "4"}) == "Open MPI"
+    assert multi_process_environment({"TPU_WORKER_HOSTNAMES": "w0,w1"}) == "Cloud TPU"
+    assert multi_process_environment({"TPU_WORKER_HOSTNAMES": "localhost"}) is None
+    with pytest.MonkeyPatch.context() as patch:  # off: one process whatever the environment says
+        patch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+        assert initialize_distributed(mode="off") is False
+        with pytest.raises(ValueError, match="'sometimes' is not one of"):
+            initialize_distributed(mode="sometimes")

@@ -5,8 +5,9 @@ A multi-process run starts the same command in every process (`python -m glm5_ja
 machine, srun / a TPU pod / an indexed Job on a cluster: docs/scaling.md). Each process calls
 `initialize_distributed()` before any other JAX call; it joins `jax.distributed` when the
 environment names a coordinator (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
-`JAX_PROCESS_ID`) or a cluster JAX detects by itself (SLURM, Open MPI, Cloud TPU), and does
-nothing in a single-process run.
+`JAX_PROCESS_ID`) or a job JAX configures itself from (a SLURM step or Open MPI job of several
+tasks, a GKE TPU slice; `mode="on"` for a Cloud TPU VM pod, which only its metadata server
+describes), and does nothing in a single-process run.
 
 Failure is bounded by the timeouts, set on purpose rather than left at JAX's defaults: the
 coordinator (in process 0) declares a process dead once it sends no heartbeat for
@@ -14,7 +15,8 @@ coordinator (in process 0) declares a process dead once it sends no heartbeat fo
 because the JAX distributed service detected fatal errors ... The following tasks are unhealthy
 (stopped sending heartbeats): <ids>"; when process 0 itself dies the others end at once
 ("Either the leader task was preempted/died..."). Collectives (gloo on CPU, NCCL on GPU) have no
-timeout of their own: a collective waiting for a dead peer is ended by the heartbeat.
+timeout JAX lets us set (gloo gives up only while connecting, after 30 s): a collective waiting
+for a dead peer is ended by the heartbeat, or by an error when the peer's connection resets.
 `exit_at_once_on_error` keeps a failing process from waiting `shutdown` seconds at JAX's
 shutdown barrier for processes that are still stepping.
 """
@@ -27,14 +29,15 @@ import inspect
 import os
 import sys
 import traceback
+from collections.abc import Mapping
 
 import jax
 import numpy as np
 
 COORDINATOR_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-# Clusters jax.distributed.initialize() configures itself from (its own detection decides).
-CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES",
-               "MEGASCALE_COORDINATOR_ADDRESS")
+# A job step of several tasks, as JAX's own SLURM detection reads it.
+SLURM_ENV = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +49,21 @@ class Timeouts:
     shutdown: int = 60  # at a clean exit, the wait for the other processes at the shutdown barrier
 
 
-def multi_process_environment() -> bool:
-    """Whether the environment asks for a multi-process run (a coordinator or a known cluster)."""
-    return any(name in os.environ for name in ("JAX_COORDINATOR_ADDRESS", *CLUSTER_ENV))
+def multi_process_environment(environ: Mapping[str, str] = os.environ) -> str | None:
+    """What in `environ` asks for a multi-process run, or None: the coordinator variables (the
+    launcher, Kubernetes), a SLURM job step of several tasks (srun), an Open MPI job of several
+    ranks, or a TPU slice whose workers' host names are in the environment (GKE). A Cloud TPU VM
+    pod (GCE) shows nothing in its environment: JAX reads it from the metadata server when
+    `initialize_distributed(mode="on")` (train.py --distributed=on) asks it to."""
+    if "JAX_COORDINATOR_ADDRESS" in environ:
+        return "JAX_COORDINATOR_ADDRESS"
+    if all(name in environ for name in SLURM_ENV) and int(environ["SLURM_NTASKS"]) > 1:
+        return "SLURM"
+    if int(environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "Open MPI"
+    if "MEGASCALE_COORDINATOR_ADDRESS" in environ or "," in environ.get("TPU_WORKER_HOSTNAMES", ""):
+        return "Cloud TPU"
+    return None
 
 
 def _initialize_arguments(values: dict) -> dict:
@@ -62,10 +77,14 @@ def _initialize_arguments(values: dict) -> dict:
     return {name: value for name, value in values.items() if name in accepted}
 
 
-def initialize_distributed(timeouts: Timeouts = Timeouts()) -> bool:
-    """jax.distributed.initialize() with `timeouts` when a multi-process environment is present
-    (multi_process_environment); returns whether it ran. Must come before any other JAX call."""
-    if not multi_process_environment():
+def initialize_distributed(timeouts: Timeouts = Timeouts(), mode: str = "auto") -> bool:
+    """jax.distributed.initialize() with `timeouts`; returns whether it ran. Must come before any
+    other JAX call. mode "auto": when multi_process_environment() finds one; "on": always (JAX
+    detects the cluster itself: a Cloud TPU pod, Kubernetes with the `kubernetes` package, ...);
+    "off": never (a single-process run whatever the environment says)."""
+    if mode not in MODES:
+        raise ValueError(f"distributed mode {mode!r} is not one of {MODES}")
+    if mode == "off" or (mode == "auto" and multi_process_environment() is None):
         return False
     arguments = dict(initialization_timeout=timeouts.initialization,
                      heartbeat_timeout_seconds=timeouts.heartbeat,
