@@ -104,6 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mesh", default=None, metavar="AXES",
                         help="serve on a device mesh, e.g. tensor=2,expert=4 or expert=8 (axes tensor, "
                              "expert, data; sizes multiply to the device count; default: one device)")
+    parser.add_argument("--distributed", choices=("auto", "on", "off"), default="auto",
+                        help="join jax.distributed to serve from several processes (docs/serving.md): auto "
+                             "when the environment names a coordinator (JAX_COORDINATOR_ADDRESS, ...) or a "
+                             "SLURM / Open MPI job of several tasks; on: let JAX detect the cluster (a Cloud "
+                             "TPU pod); off: one process (default: auto)")
     parser.add_argument("--quantize", default=None, metavar="RECIPE",
                         help="quantize the weights on load with this recipe name or file "
                              "(glm5_jax.train.runs.load_any; default: as stored)")
@@ -287,7 +292,7 @@ def main(argv=None) -> int:
     checkpoint = resolve_checkpoint(args.checkpoint)
     server_config = read_server_config(args.server_config)  # before the slow model load
     from glm5_jax.parallel.distributed import initialize_distributed
-    processes = jax_processes(initialize_distributed(), args.mesh)
+    processes = jax_processes(initialize_distributed(mode=args.distributed), args.mesh)
     feedback_log = open_feedback_log(args.feedback_dir)
     # Imported here: loading JAX and the model is slow, and `--help` should not need it.
     from glm5_jax.api.app import create_app
