@@ -97,7 +97,7 @@ class Launch:
     """N processes of one command: `start()`, then `wait()` returns the launcher's exit status."""
 
     def __init__(self, command: Sequence[str], processes: int, *, devices_per_process: int | None = None,
-                 host: str = "127.0.0.1", port: int | None = None, grace: float = 10.0):
+                 host: str = "127.0.0.1", port: int | None = None, grace: float = 3.0):
         self.command, self.count, self.devices_per_process = list(command), processes, devices_per_process
         self.grace = grace
         self.address = f"{host}:{port or free_port(host)}"
@@ -182,9 +182,10 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
                         help="Address of the coordinator (process 0's machine); default 127.0.0.1.")
     parser.add_argument("--port", type=int, default=None,
                         help="The coordinator's port; default: a free one.")
-    parser.add_argument("--grace", type=float, default=10.0,
+    parser.add_argument("--grace", type=float, default=3.0,
                         help="Seconds between SIGTERM and SIGKILL when ending the processes after a "
-                             "failure (default 10).")
+                             "failure (default 3: a train.py process waiting in a collective for the "
+                             "failed one cannot act on SIGTERM, and cannot save without it).")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="The command every process runs, after `--`; a leading .py file runs "
                              "with this Python.")
