@@ -77,7 +77,7 @@ def log(message: str) -> None:
 
 # ---------------------------------------------------------------- the checkpoint and the server
 def make_checkpoint(directory: Path) -> int:
-    """A tiny model with a BPE tokenizer, as tests/test_serve_e2e.py serves; returns the vocab size."""
+    """A tiny model with a BPE tokenizer, as tests/serve/test_serve_e2e.py serves; returns the vocab size."""
     from reference import perturbed_params
 
     import glm5_jax

@@ -79,7 +79,7 @@ fi
 SELECT=""; [[ "${GPU_CHECK_SMALL:-0}" == 1 ]] && SELECT="-k lower"
 if $PY -c 'import pytest' 2>/dev/null; then
   run_step "kernel tests compiled on GPU" 110 \
-    "XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q -n 4 --maxfail=5 -p no:cacheprovider tests/test_kernels_*.py $SELECT --durations=5"
+    "XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q -n 4 --maxfail=5 -p no:cacheprovider tests/kernels/test_kernels_*.py $SELECT --durations=5"
 else
   SUMMARY+=("SKIP     kernel tests (pytest is not installed)")
 fi

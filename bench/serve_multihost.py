@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,12 +29,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(checkpoint, port, devices, mesh, process=None, coordinator=None):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
@@ -46,18 +39,6 @@ def start(checkpoint, port, devices, mesh, process=None, coordinator=None):
                              "--moe-impl", "dense",
                              "--model-id", "m", "--log-level", "warning"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_ready(url, timeout=900):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the server did not become ready")
 
 
 async def round_trip(url, clients, max_tokens) -> float:
@@ -80,6 +61,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     from fake_engine import make_tokenizer
+    from processes import free_port, wait_healthy
     from reference import perturbed_params
 
     from glm5_jax.checkpoint.hf_io import save_pretrained
@@ -98,7 +80,7 @@ def main() -> None:
                 coordinator = f"127.0.0.1:{free_port()}"
                 processes = [start(directory, port, 2, args.mesh, i, coordinator) for i in range(2)]
             url = f"http://127.0.0.1:{port}"
-            wait_ready(url)
+            wait_healthy(url, processes, timeout=900)
             asyncio.run(round_trip(url, args.clients, 8))  # warm
             rates = [asyncio.run(round_trip(url, args.clients, args.max_tokens)) for _ in range(args.rounds)]
             processes[0].send_signal(signal.SIGTERM)

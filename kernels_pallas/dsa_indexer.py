@@ -93,7 +93,7 @@ def select_topk_reference(scores, allowed, topk: int):
     [B, T, k] int32 by decreasing score, ties to the lower index, masked keys filling rows with
     fewer than k allowed keys; gap [B, T] float32 between the k-th and (k+1)-th allowed scores,
     +inf where no (k+1)-th exists). The same rule as the model's glm5_jax.model.dsa.select_topk
-    (tests/test_kernels_dsa.py compares the two); kept here so kernels import nothing from glm5_jax.
+    (tests/kernels/test_kernels_dsa.py compares the two); kept here so kernels import nothing from glm5_jax.
     """
     num_keys = scores.shape[-1]
     k = min(topk, num_keys)

@@ -10,8 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+from pathlib import Path
 
 if "GLM5_TEST_COMPILATION_CACHE" not in os.environ:  # the first process of this run
     os.environ["GLM5_TEST_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="glm5-jax-test-cache-")
@@ -61,6 +63,17 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def tiny_config():
     return load_model_config("configs/tiny.py")
+
+
+@pytest.fixture(scope="module")
+def data_glob(tmp_path_factory):
+    """A few real Python files (from the standard library) as training data: a glob."""
+    directory = tmp_path_factory.mktemp("data")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("json/encoder.py", "json/decoder.py", "textwrap.py", "string.py", "bisect.py",
+                 "heapq.py", "colorsys.py", "fnmatch.py", "glob.py", "shlex.py"):
+        shutil.copyfile(stdlib / name, directory / name.replace("/", "_"))
+    return str(directory / "*.py")
 
 
 # Modules whose tests take longest (docs/testing.md), started first so no worker is left with

@@ -1,6 +1,6 @@
 """Generated HTTP requests for fuzzing serve.py's API, and what every answer to one must look like.
 
-Shared by tests/test_serve_e2e.py (a small hypothesis budget against its real server) and
+Shared by tests/serve/test_serve_e2e.py (a small hypothesis budget against its real server) and
 bench/fuzz_serve.py (thousands of requests, concurrent). Bodies come from the request models' own
 JSON schemas (glm5_jax/api/protocol.py, feedback_log.FeedbackRequest) through
 hypothesis-jsonschema: the app parses bodies itself (api/body.py), so FastAPI's OpenAPI schema has

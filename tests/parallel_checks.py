@@ -1,4 +1,4 @@
-"""Multi-device checks, run by tests/test_parallel.py in a subprocess with 8 fake CPU devices
+"""Multi-device checks, run by tests/parallel/test_parallel.py in a subprocess with 8 fake CPU devices
 (XLA_FLAGS must be set before JAX starts). For each mesh: one train step's loss and gradients
 against the single-device result, and which collectives the compiled HLO holds.
 

@@ -1,4 +1,4 @@
-"""Serving on a device mesh, run by tests/test_serve_mesh.py in a subprocess with 8 fake CPU
+"""Serving on a device mesh, run by tests/serve/test_serve_mesh.py in a subprocess with 8 fake CPU
 devices (XLA_FLAGS must be set before JAX starts).
 
 An HF checkpoint of the tiny model is loaded straight into each mesh's shardings and served
@@ -6,7 +6,7 @@ through the HTTP API (uvicorn, the official openai client) on a page pool small 
 requests preempt each other, twice (the second round hits the prefix cache). Prints one JSON
 object per mesh: the greedy completions' tokens and log-probs, and what was checked; and for "1"
 (one device) the reference: the same greedy continuations by the full forward (no engine: the
-engine itself is checked against forward on one device in tests/test_engine.py).
+engine itself is checked against forward on one device in tests/engine/test_engine.py).
 
     python tests/serve_mesh_checks.py "expert=8" "tensor=2,expert=4@fp8"
 

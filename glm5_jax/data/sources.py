@@ -38,7 +38,7 @@ import os
 import sysconfig
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from glm5_jax.data.paths import (
     SkippedFile,
@@ -106,8 +106,7 @@ class SourceSpec:
             object.__setattr__(self, "name", self.kind if self.kind == "python_stdlib" else self.paths[0])
 
 
-@dataclasses.dataclass(frozen=True)
-class Document:
+class Document(NamedTuple):
     """One training document: a stable id (path or path:line) and its text."""
 
     doc_id: str

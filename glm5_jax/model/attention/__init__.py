@@ -13,8 +13,8 @@ An attention *backend* computes the attention for a source: `over_sequence` and 
 "pallas" (kernels_pallas through model/kernel_calls.py, pallas.py). ExecutionOptions picks one per
 source: `attention_impl` for sequences, `decode_attention_impl` for pages. A new backend or
 attention variant is one module with a class of those two methods plus one `register_backend`
-call (tests/test_attention_backends.py registers a toy one and runs it through `forward` and the
-serving step).
+call: tests/toy_attention.py is one, registered in tests/model/test_paged_decode.py and run
+through `forward` and the serving step.
 
 This module imports nothing heavy: options.py validates names against the registry.
 """

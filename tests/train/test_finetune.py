@@ -1,4 +1,4 @@
-"""Fine-tuning pieces in-process (train.py end to end: tests/test_train_cli.py): frozen
+"""Fine-tuning pieces in-process (train.py end to end: tests/train/test_train_cli.py): frozen
 parameters get no update and no optimizer state, `trainable` selects what trains, and the
 architecture of `init_from` must agree with what a config gives."""
 

@@ -27,7 +27,7 @@ from glm5_jax.model.transformer import forward, param_shapes
 from glm5_jax.parallel import sharding, shards
 from glm5_jax.parallel.mesh import MESH_AXES, MeshSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
 BATCH, LENGTH = 4, 48  # the subprocess's batch: 4 rows (data x expert), 48 positions (context 8 x 6)
 # configs/tiny.py's widths, to recognise arrays in the compiled context=8 program.
@@ -217,5 +217,5 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in tests/
     main()

@@ -177,7 +177,7 @@ def test_unsupported_rope_type(tiny_config):
 
 
 # ---------------------------------------------------------------- configs/ derive from configs/base.py
-CONFIG_SNAPSHOT = Path(__file__).parent / "data" / "config_snapshot.json"
+CONFIG_SNAPSHOT = Path(__file__).parent / "config_snapshot.json"
 
 
 def _typed(value):
@@ -192,7 +192,7 @@ def _typed(value):
 @pytest.mark.parametrize("name", sorted(json.loads(CONFIG_SNAPSHOT.read_text())))
 def test_configs_equal_their_snapshot(name):
     """Each configs/*.py that derives from base.py gives exactly the values (and types) the full
-    copies gave before (tests/data/config_snapshot.json, written from them)."""
+    copies gave before (tests/model/config_snapshot.json, written from them)."""
     snapshot = json.loads(CONFIG_SNAPSHOT.read_text())[name]
     assert json.loads(json.dumps(_typed(load_config_file(f"configs/{name}.py").to_dict()))) == snapshot
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MESHES = ["expert=8", "tensor=2,expert=4@fp8"]
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from glm5_jax.parallel import collectives
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # An outer loop of 4 (known trip count) around an inner loop of 3 (bound read from its
 # condition); the all-reduce and the all-to-all run 4 times, the rest 12 times. A backslash ends
@@ -163,7 +163,9 @@ MESH_RESULTS = pytest.mark.xdist_group("collectives_mesh")  # one worker runs th
 
 @pytest.fixture(scope="module")
 def mesh_results():
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # The repository and tests/ (the shared helpers: reference.py) on the subprocess's path.
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     run = subprocess.run(
         [sys.executable, __file__], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600
     )

@@ -14,6 +14,7 @@ import pytest
 from fake_engine import make_tokenizer, running
 from glm_files import glm_data_dir, glm_tokenizer
 from reference import perturbed_params
+from streams import run_together
 
 from glm5_jax.api.app import create_app
 from glm5_jax.api.chat_constraints import tool_call_regex
@@ -53,17 +54,9 @@ def text_of(events) -> str:
     return TOKENIZER.decode([e.token_id for e in events if e.token_id not in (None, EOS)])
 
 
-def generate(engine, requests):
-    async def run():
-        async def one(prompt, params):
-            return [event async for event in engine.submit(prompt, params)]
-        return await asyncio.gather(*(one(p, s) for p, s in requests))
-    return asyncio.run(run())
-
-
 def test_outputs_follow_their_constraints(engine):
     free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    alone = generate(engine, [([9, 8, 7], free)])[0]
+    alone = run_together(engine, [([9, 8, 7], free)])[0]
     requests = [([5, 6, 7], SamplingParams(max_tokens=80, temperature=t, seed=3,
                                            constraint=Constraint("json_schema", json.dumps(schema))))
                 for schema in SCHEMAS for t in (0.0, 1.0)]
@@ -72,7 +65,7 @@ def test_outputs_follow_their_constraints(engine):
                  ([4], SamplingParams(max_tokens=20, temperature=1.0, seed=1,
                                       constraint=Constraint("regex", "(cat|dog)-[0-9]{2}"))),
                  ([9, 8, 7], free)]
-    results = generate(engine, requests)
+    results = run_together(engine, requests)
     for (_, params), events in zip(requests[:len(SCHEMAS) * 2], results, strict=False):
         schema = json.loads(params.constraint.spec)
         assert events[-1].finish_reason == "stop"

@@ -26,7 +26,7 @@ from glm5_jax.data import train_bpe_tokenizer
 # One xdist worker runs this module, so its fixtures (a serve.py subprocess) are built once.
 pytestmark = pytest.mark.xdist_group("serve_e2e")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXT = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n    y: int = 0\n",
         "for item in range(10):\n    print(item)\n", "import os\nprint(os.getcwd())\n"] * 20
 

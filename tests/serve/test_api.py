@@ -34,18 +34,6 @@ def engine():
     return FakeEngine(TOKENIZER, max_context=128)
 
 
-@pytest.fixture(scope="module")
-def base_url(engine):
-    with running(create_app(engine, MODEL)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=20) as c:
-        yield c
-
-
 def ids(text: str) -> list[int]:
     return TOKENIZER.encode(text).ids
 

@@ -50,7 +50,7 @@ pytestmark = pytest.mark.skipif(
     bool(MISSING), reason=f"needs lm-eval with its API extra (pip install 'lm-eval[api]'): missing {MISSING}"
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASK = "glm5_tiny_mc"
 # The engine geometry of test_evaluate.py's suite run: one slot, one 16-token chunk shape.
 SERVE_FLAGS = (

@@ -17,7 +17,7 @@ from glm5_jax.parallel import sharding
 from glm5_jax.parallel.mesh import MeshError, MeshSpec, check_divisible
 from glm5_jax.parallel.pipeline import bubble_fraction, default_microbatches
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # data x expert alone runs in VARIANTS (capacity factor, ragged dispatch); fsdp x tensor x expert
 # covers dropless expert parallelism here.
 MESHES = ["data=8", "fsdp=2,tensor=2,expert=2", "pipeline=2,data=2,expert=2", "pipeline=4,fsdp=2"]

@@ -1,6 +1,6 @@
 """The feedback loop: answers recorded by the server (fake engine, uvicorn in a thread), ratings through
 POST /v1/feedback, the log's crash safety and any text it is given, and the export to SFT and pair
-lines (private files). De-identification itself: tests/test_deidentify.py."""
+lines (private files). De-identification itself: tests/data/test_deidentify.py."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 from reference import greedy_chain, perturbed_params
+from streams import events_of, run_together
 
 from glm5_jax.engine.engine import Engine
 from glm5_jax.engine.observer import EngineObserver
@@ -44,7 +45,8 @@ def engine(model):
 
 
 async def collect(engine, prompt, params):
-    events = [event async for event in engine.submit(prompt, params)]
+    """(the request's token ids, its finish reason)."""
+    events = await events_of(engine, prompt, params)
     return [e.token_id for e in events if e.token_id is not None], events[-1].finish_reason
 
 
@@ -176,15 +178,8 @@ def small_pool(model):
     engine.shutdown()
 
 
-async def collect_events(engine, prompt, params):
-    return [event async for event in engine.submit(prompt, params)]
-
-
 def run_concurrently(engine, prompts, params):
-    async def run_all():
-        return await asyncio.gather(*(collect_events(engine, p, params) for p in prompts))
-
-    return asyncio.run(run_all())
+    return run_together(engine, [(prompt, params) for prompt in prompts])
 
 
 def test_preemption_and_chunked_prefill_keep_the_output(engine, small_pool):
@@ -217,7 +212,7 @@ def test_prefix_hits_on_device_and_from_host(small_pool):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
 
     def once(p=prompt):
-        return asyncio.run(collect_events(small, p, params))
+        return asyncio.run(events_of(small, p, params))
 
     cold = once()
     compiles = small.compile_count
@@ -265,9 +260,9 @@ def test_a_failing_step_fails_only_its_requests(engine, monkeypatch):
 
     monkeypatch.setattr(runner, "mixed_step", fail_once)
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    failed = asyncio.run(collect_events(engine, [3, 4, 5], greedy))
+    failed = asyncio.run(events_of(engine, [3, 4, 5], greedy))
     assert failed[-1].finish_reason == "error" and "injected" in failed[-1].error
-    served = asyncio.run(collect_events(engine, [3, 4, 5], greedy))
+    served = asyncio.run(events_of(engine, [3, 4, 5], greedy))
     assert served[-1].finish_reason == "length" and len(served) == 4
     assert engine.failure is None and engine.active_requests == 0
 
@@ -289,7 +284,7 @@ def test_a_decode_call_failing_after_dispatch(model, engine, monkeypatch):
     monkeypatch.setattr(runner, "fetch", fail_second)
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     overlapped = engine.overlapped_calls
-    failed = asyncio.run(collect_events(engine, [3, 4, 5], greedy))
+    failed = asyncio.run(events_of(engine, [3, 4, 5], greedy))
     # 1 token from the prefill step, 8 from the first decode call, then the error.
     assert len(failed) == 10 and failed[-1].finish_reason == "error" and "injected" in failed[-1].error
     assert engine.overlapped_calls == overlapped + 2
@@ -310,7 +305,7 @@ def test_repeated_failures_stop_the_engine(model):
     engine.runner.mixed_step = broken
     try:
         greedy = SamplingParams(max_tokens=4, temperature=0.0)
-        reasons = [asyncio.run(collect_events(engine, [1, 2], greedy))[-1].finish_reason for _ in range(2)]
+        reasons = [asyncio.run(events_of(engine, [1, 2], greedy))[-1].finish_reason for _ in range(2)]
         assert reasons == ["error", "error"]
         assert "2 model steps failed in a row" in engine.failure
         with pytest.raises(EngineUnavailableError, match="injected"):
@@ -363,7 +358,7 @@ def test_prompt_logprobs_equal_forward(model, engine):
     logprobs = np.asarray(jax.nn.log_softmax(glm5_jax.forward(config, params, ids)[0, :len(prompt) - 1]))
     want = logprobs[np.arange(len(prompt) - 1), prompt[1:]]
     for max_tokens in (0, 2, 0):
-        events = asyncio.run(collect_events(engine, prompt, SamplingParams(
+        events = asyncio.run(events_of(engine, prompt, SamplingParams(
             max_tokens=max_tokens, temperature=0.0, prompt_logprobs=2, ignore_eos=True)))
         scores = events[0].prompt_logprobs
         assert len(scores) == len(prompt) and scores[0] == (None, ())
@@ -383,12 +378,12 @@ def test_scoring_without_output_answers_for_every_prompt_length(engine):
     score = SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=0)
 
     async def scored(prompt):
-        return await asyncio.wait_for(collect_events(engine, prompt, score), timeout=60)
+        return await asyncio.wait_for(events_of(engine, prompt, score), timeout=60)
 
     async def beside_a_decode(prompt):
-        decoding = collect_events(engine, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0,
+        decoding = events_of(engine, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0,
                                                                     ignore_eos=True))
-        return await asyncio.wait_for(asyncio.gather(collect_events(engine, prompt, score), decoding),
+        return await asyncio.wait_for(asyncio.gather(events_of(engine, prompt, score), decoding),
                                       timeout=60)
 
     for prompt in ([7], list(range(2, 19))):  # 1 token; 17 = one 16-token chunk + 1

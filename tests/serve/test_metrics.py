@@ -1,5 +1,5 @@
 """Prometheus metrics and cached-token usage through the HTTP API with the fake engine (its toy prefix
-cache and observer calls stand in for the real engine's; tests/test_soak.py reads the real engine's).
+cache and observer calls stand in for the real engine's; tests/engine/test_soak.py reads the real engine's).
 /metrics is parsed with prometheus_client's own parser."""
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -26,18 +25,7 @@ from glm5_jax.model import ModelConfig
 from glm5_jax.train.checkpoints import step_problem
 from glm5_jax.train.runs import RunNotFoundError, load_run
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def data_glob(tmp_path_factory):
-    """A few real Python files (from the standard library) as the training data."""
-    directory = tmp_path_factory.mktemp("data")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("json/encoder.py", "json/decoder.py", "textwrap.py", "string.py", "bisect.py",
-                 "heapq.py", "colorsys.py", "fnmatch.py", "glob.py", "shlex.py"):
-        shutil.copyfile(stdlib / name, directory / name.replace("/", "_"))
-    return str(directory / "*.py")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def train_command(workdir, data_glob, *overrides):
@@ -253,7 +241,7 @@ def test_fine_tuning_on_chat_data_from_an_hf_checkpoint_resumes(uninterrupted, e
     assert "restoring checkpoint step 2..." in result.stdout and "restored step 2 in " in result.stdout
     assert "step 3: compiled and ran in " in result.stdout
     assert sorted(losses(workdir)) == [1, 2, 3]
-    # (A config that disagrees with the checkpoint's architecture: tests/test_finetune.py.)
+    # (A config that disagrees with the checkpoint's architecture: tests/train/test_finetune.py.)
 
     # DPO from the same checkpoint on preference pairs: the reference is the starting weights, so
     # the held-out reward margin starts at exactly 0; steps log their margin and accuracy.

@@ -2,7 +2,7 @@
 file, an empty or broken JSON file, a missing file) is skipped for the newest intact one with one
 line naming the step, the file and why; the damaged files are never modified; a training run moves
 the step aside and saves that step again; no usable step is one error line naming every file.
-(train.py end to end on a damaged run: tests/test_train_cli.py.)"""
+(train.py end to end on a damaged run: tests/train/test_train_cli.py.)"""
 
 import os
 import shutil

@@ -6,7 +6,6 @@ follower turns /health into 503 naming it, and process 0 exits non-zero."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,24 +14,19 @@ from pathlib import Path
 import httpx
 import pytest
 from fake_engine import make_tokenizer
+from processes import free_port, wait_healthy
 from reference import perturbed_params
 
 from glm5_jax.checkpoint.hf_io import save_pretrained
 from glm5_jax.config_files import load_model_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[10, 20, 30, 40], [5, 6, 7], [100, 101, 102, 103, 104]]  # token ids (the tiny vocabulary: 256)
 SERVE = ["--max-slots", "2", "--max-context", "64", "--page-size", "4", "--token-budget", "16",
          "--decode-steps", "4", "--mesh", "tensor=2,expert=2", "--moe-impl", "dense",
          "--no-reuse-host-memory", "--log-level", "warning", "--model-id", "m"]
 
 pytestmark = pytest.mark.xdist_group("serve_multihost")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -53,22 +47,6 @@ def start(checkpoint, port, devices, process=None, coordinator=None):
     return subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port),
                              *SERVE], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-
-
-def wait_ready(url, processes, timeout=600):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for process in processes:
-            if process.poll() is not None:
-                log = process.stdout.read()[-4000:]
-                raise AssertionError(f"a server exited ({process.returncode}):\n{log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("the server did not become ready")
 
 
 def completions(url) -> list[str]:
@@ -97,7 +75,7 @@ def test_two_processes_serve_as_one_and_a_lost_follower_fails_the_job(checkpoint
     port = free_port()
     single = start(checkpoint, port, devices=4)
     try:
-        wait_ready(f"http://127.0.0.1:{port}", [single])
+        wait_healthy(f"http://127.0.0.1:{port}", [single])
         want = completions(f"http://127.0.0.1:{port}")
     finally:
         stop(single)
@@ -106,7 +84,7 @@ def test_two_processes_serve_as_one_and_a_lost_follower_fails_the_job(checkpoint
     follower = start(checkpoint, port, devices=2, process=1, coordinator=coordinator)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, [leader, follower])
+        wait_healthy(url, [leader, follower])
         assert completions(url) == want and all(want)
         assert len(set(want[3:])) > 1  # sampled: the prompts' texts differ (not a constant)
         follower.kill()

@@ -4,13 +4,13 @@ stop tokens, length limits), reported log-probabilities are the model's, sampled
 seeded, and the counters behind /metrics add up. The acceptance rule's distribution is tested
 statistically in test_speculative_rule.py."""
 
-import asyncio
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference import greedy_chain, perturbed_params
+from streams import run_together
 
 from glm5_jax import forward
 from glm5_jax.api.metrics import ServerMetrics
@@ -46,16 +46,6 @@ def engine(model):
     engine.shutdown()
 
 
-def run(engine, requests):
-    async def one(prompt, params):
-        return [event async for event in engine.submit(prompt, params)]
-
-    async def run_all():
-        return await asyncio.gather(*(one(p, s) for p, s in requests))
-
-    return asyncio.run(run_all())
-
-
 def tokens_of(events):
     return [e.token_id for e in events if e.token_id is not None]
 
@@ -72,7 +62,7 @@ def test_greedy_output_is_the_argmax_chain(model, engine):
     settings = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=1) for n in lengths]
     settings[2] = SamplingParams(max_tokens=lengths[2], temperature=0.0, stop_token_ids=(stop,))
     preemptions, counts = engine.preemptions, engine.speculation.copy()
-    results = run(engine, list(zip(prompts, settings, strict=True)))
+    results = run_together(engine, list(zip(prompts, settings, strict=True)))
     for index, (want, events) in enumerate(zip(expected, results, strict=True)):
         if index == 2:
             want = want[:want.index(stop) + 1]
@@ -100,8 +90,8 @@ def test_sampled_rows_are_seeded(model, engine):
     sampled = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=13, ignore_eos=True)
     top1 = SamplingParams(max_tokens=24, temperature=1.0, top_k=1, seed=2, ignore_eos=True)
     counts = engine.speculation.copy()
-    first, one_hot = run(engine, [(prompt, sampled), (prompt, top1)])
-    second, _ = run(engine, [(prompt, sampled), (prompt, top1)])
+    first, one_hot = run_together(engine, [(prompt, sampled), (prompt, top1)])
+    second, _ = run_together(engine, [(prompt, sampled), (prompt, top1)])
     assert tokens_of(first) == tokens_of(second) and len(tokens_of(first)) == 24
     # top_k 1: target and draft distributions are one-hot, so the sampled rule gives the argmax chain.
     assert tokens_of(one_hot) == greedy_chain(config, params, prompt, 24, length=MAX_CONTEXT)

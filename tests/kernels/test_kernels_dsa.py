@@ -147,7 +147,7 @@ def test_indexer_mosaic_path_in_tpu_interpreter(monkeypatch):
 
 def test_indexer_topk_equals_reference_real_valued_k_at_least_s():
     """topk > S: k = S, every key selected (masked ones as fill), gap +inf. (Real-valued k < S is
-    covered through the model in tests/test_kernel_switch.py.)"""
+    covered through the model in tests/model/test_kernel_switch.py.)"""
     length, topk = 9, 20
     args = random_indexer_inputs(length, heads=4, dim=32)
     ref_indices, ref_gap = indexer_topk_reference(*args, topk=topk)

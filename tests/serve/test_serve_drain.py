@@ -19,17 +19,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from processes import free_port
 from test_serve_e2e import checkpoint  # noqa: F401 - the same served model (its programs are cached)
 
 pytestmark = pytest.mark.xdist_group("serve_e2e")  # after test_serve_e2e, on its worker's warm cache
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _wait_until(condition, what: str, timeout: float = 120.0):
@@ -60,7 +55,7 @@ def _sse(port: int, body: dict, lines: list, started: threading.Event):
 
 def test_sigterm_drains_and_half_open_connections_are_closed(checkpoint, tmp_path):  # noqa: F811
     directory = checkpoint[0]
-    port = _free_port()
+    port = free_port()
     feedback = tmp_path / "feedback"
     process = subprocess.Popen(
         [sys.executable, "serve.py", "--checkpoint", str(directory), "--port", str(port),
