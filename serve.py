@@ -255,13 +255,9 @@ def jax_processes(distributed: bool, mesh: str | None) -> Processes | None:
 def cross_process_axes(mesh) -> str:
     """Which mesh axes cross processes (their collectives travel between hosts) and which stay
     inside one, e.g. "expert across processes, tensor within"."""
-    import numpy as np
+    from glm5_jax.parallel.mesh import axes_across_processes
 
-    owners = np.vectorize(lambda device: device.process_index)(mesh.devices)
-    across = [name for axis, name in enumerate(mesh.axis_names)
-              if mesh.devices.shape[axis] > 1 and (np.diff(owners, axis=axis) != 0).any()]
-    within = [name for axis, name in enumerate(mesh.axis_names)
-              if mesh.devices.shape[axis] > 1 and name not in across]
+    across, within = axes_across_processes(mesh)
     return f"{', '.join(across) or 'no axis'} across processes, {', '.join(within) or 'no axis'} within"
 
 

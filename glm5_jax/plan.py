@@ -51,6 +51,10 @@ def parse_args(argv):
     parser.add_argument("--top", type=int, default=8, help="how many of the largest tensors to list")
     parser.add_argument("--buffers", type=int, default=0,
                         help="also list the N largest values in the compiled per-device program")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="processes (hosts) the devices belong to, in order: devices / processes per "
+                             "host (a node of 8 H200s, a v5p host of 4 chips). Reports which mesh axes cross "
+                             "hosts and the bytes each step sends across hosts and inside them (default: 1)")
     parser.add_argument("--links", default="h200,v5p",
                         help="systems for the communication estimate (collectives.SYSTEMS): h200 "
                              "(NVLink 4 in a node of 8, InfiniBand 400 Gb/s across), v5p (ICI)")
@@ -105,6 +109,10 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     devices = args.devices or math.prod(max(size, 1) for size in spec.sizes_given())
+    if args.processes < 1 or devices % args.processes:
+        print(f"error: --processes {args.processes} must be >= 1 and divide the {devices} devices",
+              file=sys.stderr)
+        return 2
     # Must happen before JAX creates its CPU backend. XLA:CPU computes bf16 dots in float32 and
     # loop-invariant code motion would then hoist float32 copies of every layer's weights out of
     # the layer loop, a CPU-only artifact that would dominate the temporaries; keep it off. Its
@@ -122,7 +130,7 @@ def main(argv=None) -> int:
     from glm5_jax.model.config import ConfigError, mesh_requirements
     from glm5_jax.model.count import count_params
     from glm5_jax.parallel import collectives, sharding
-    from glm5_jax.parallel.mesh import make_mesh
+    from glm5_jax.parallel.mesh import axes_across_processes, make_mesh
     from glm5_jax.train.settings import TrainSettings
 
     try:
@@ -148,6 +156,11 @@ def main(argv=None) -> int:
           f"moe_impl {options.moe_impl}, capacity factor {options.expert_capacity_factor or 'dropless'}")
     axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
     print(f"mesh: {axes} ({devices} devices)")
+    per_host = devices // args.processes
+    if args.processes > 1:
+        across, within = axes_across_processes(mesh, lambda device: device.id // per_host)
+        print(f"processes: {args.processes} of {per_host} devices; across processes: "
+              f"{', '.join(across) or 'no axis'}; within a process: {', '.join(within) or 'no axis'}")
     started = time.perf_counter()
     try:
         if args.serve:
@@ -173,7 +186,7 @@ def main(argv=None) -> int:
     note = (f" ({passes} x {counts['active'] / 1e9:.1f}B active params x {tokens:,} tokens / {mesh.size} "
             f"devices; the partitioned program's matmuls: {collectives.dot_flops(hlo) / 1e12:,.3g} TFLOP)")
     for line in communication_lines(collectives.parse_collectives(hlo), flops, systems,
-                                    args.compute_efficiency, note):
+                                    args.compute_efficiency, note, per_host if args.processes > 1 else 0):
         print(line)
     return 0
 
@@ -186,9 +199,10 @@ def _size(nbytes: float) -> str:
 
 
 def communication_lines(found, flops_per_device: float, systems, efficiency: float = 1.0,
-                        flops_note: str = "") -> list[str]:
+                        flops_note: str = "", per_host: int = 0) -> list[str]:
     """Bytes sent per device per step by collective kind, and the communication share of the step
-    on each system (glm5_jax.parallel.collectives)."""
+    on each system (glm5_jax.parallel.collectives); with per_host (devices per process), also the
+    bytes whose collective groups span processes vs those that stay inside one."""
     from glm5_jax.parallel import collectives
 
     kept = collectives.counted(found)
@@ -211,6 +225,11 @@ def communication_lines(found, flops_per_device: float, systems, efficiency: flo
         lines.append(f"  (left out: {_size(sum(c.total_bytes for c in skipped))} in {len(skipped)} "
                      "collectives inside Pallas kernels, which XLA:CPU runs as partitioned HLO loops in "
                      "interpret mode)")
+    if per_host:
+        spans = [c for c in kept if any(len({d // per_host for d in group}) > 1 for group in c.groups)]
+        across = sum(c.total_bytes for c in spans)
+        lines.append(f"  across processes {_size(across)}, inside one "
+                     f"{_size(sum(c.total_bytes for c in kept) - across)} ({per_host} devices per process)")
     lines.append(f"compute: {flops_per_device / 1e12:,.3g} TFLOP per device{flops_note}")
     for key in systems:
         system = collectives.SYSTEMS[key]

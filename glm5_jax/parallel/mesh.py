@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 MESH_AXES = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 
@@ -105,3 +106,16 @@ def make_mesh(spec: MeshSpec, requirements: Mapping[str, Mapping[str, int]] | No
     shape = tuple(sizes[name] for name in MESH_AXES)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
                          devices=devices)
+
+
+def axes_across_processes(mesh: jax.sharding.Mesh, owner=None) -> tuple[list[str], list[str]]:
+    """(the mesh axes whose device groups span processes (hosts): their collectives travel
+    between hosts, the axes of more than one device that stay inside one). owner(device) -> its
+    process (default: device.process_index; a plan of fake devices passes its own host map)."""
+    owner = owner or (lambda device: device.process_index)
+    owners = np.vectorize(owner)(mesh.devices)
+    across = [name for axis, name in enumerate(mesh.axis_names)
+              if mesh.devices.shape[axis] > 1 and (np.diff(owners, axis=axis) != 0).any()]
+    within = [name for axis, name in enumerate(mesh.axis_names)
+              if mesh.devices.shape[axis] > 1 and name not in across]
+    return across, within

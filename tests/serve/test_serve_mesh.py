@@ -6,6 +6,7 @@ their shardings."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,14 +48,21 @@ def test_mesh_serving_equals_one_device(results):
 
 def test_plan_serve_places_weights_as_the_server_does():
     """`plan --serve` compiles the step serve.py --mesh runs (FP8 weights split like the
-    runner's, per layer when unrolled; the page pool replicated) and reports per-device memory."""
+    runner's, per layer when unrolled; the page pool replicated) and reports per-device memory;
+    with --processes, which axes cross the processes and the bytes sent across and inside them."""
     run = subprocess.run([sys.executable, "-m", "glm5_jax.plan", "--config", "configs/tiny.py", "--serve",
                           "--mesh", "tensor=2,expert=4", "--batch", "4", "--context", "64",
                           "--page-size", "4",
-                          "--quantize", "fp8", "--top", "40", "--set", "scan_unroll=8"],  # per-layer weights
+                          "--quantize", "fp8", "--top", "40", "--set", "scan_unroll=8",  # per-layer weights
+                          "--processes", "2"],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     out = run.stdout
     assert "weights (fp8)" in out and "latent page pool" in out and "replicated" in out
+    # Devices 0-3 on one process, 4-7 on the other: `expert` (outer) crosses, `tensor` does not.
+    assert "processes: 2 of 4 devices; across processes: expert; within a process: tensor" in out
+    sent = re.search(r"across processes ([\d.]+) kB, inside one ([\d.]+) kB", out)
+    across, inside = (float(x) for x in sent.groups())
+    assert across > 0 and inside > 0
     experts = next(line for line in out.splitlines() if "moe/gate_proj/.values" in line)
     assert "float8_e4m3fn" in experts and "'expert'" in experts and "'tensor'" in experts
