@@ -4,7 +4,8 @@ Einsum letters (one glossary for the whole model): B batch, T query length, S ke
 D hidden_size, N attention heads, H head dim, R low-rank latent, M indexer heads,
 E experts, K top-k, F feed-forward hidden units, V vocabulary, L layers; a generic matmul: G a
 batch of matrices, C rows, I and O its input and output widths; linear attention (kda.py): P the
-value head dim, U chunks (C and S a chunk's query and key positions).
+value head dim, U chunks (C and S a chunk's query and key positions); W hyper-connection streams
+(hyper_connections.py).
 """
 
 from __future__ import annotations
