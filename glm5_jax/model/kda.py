@@ -21,8 +21,13 @@ All arithmetic in float32, as the reference does (the state accumulates rounding
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from glm5_jax.model.layers import WeightSpec, WeightTable, normal_init
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -107,3 +112,113 @@ def kda_chunked(query, key, value, g, beta, state=None, chunk_size: int = 64, us
     out = jnp.moveaxis(out, 0, 1)  # [B, U, N, C, P]
     out = jnp.moveaxis(out, 2, 3).reshape(out.shape[0], -1, out.shape[2], out.shape[-1])[:, :length]
     return out.astype(dtype), state
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+class LinearAttentionSpec(NamedTuple):
+    """What a `linear_attention` layer needs of a glm5_next config."""
+
+    hidden_size: int
+    num_heads: int  # linear_num_heads (N)
+    head_dim: int  # linear_head_dim (H; the value head dim P equals it in GLM-5.3-Flash)
+    conv_kernel: int  # linear_conv_kernel_dim
+    lower_bound: float | None  # linear_lower_bound: g in (lower_bound, 0); None: -exp(A) softplus
+    norm_eps: float  # rms_norm_eps of the gated output norm
+    initializer_range: float = 0.02
+    chunk_size: int = 64
+
+
+def linear_attention_weights(spec: LinearAttentionSpec, param_dtype) -> WeightTable:
+    """One KDA layer's weights, [in, out] as every projection here (checkpoint names under
+    self_attn/; A_log and dt_bias stay float32 as in the reference)."""
+    init = normal_init(spec.initializer_range)
+    width = spec.num_heads * spec.head_dim
+    hidden, head = spec.hidden_size, spec.head_dim
+
+    def weight(shape, axes, dtype=param_dtype, initializer=init):
+        return WeightSpec(shape, axes, dtype, initializer)
+
+    return {
+        "q_proj": weight((hidden, width), ("embed", "heads")),
+        "k_proj": weight((hidden, width), ("embed", "heads")),
+        "v_proj": weight((hidden, width), ("embed", "heads")),
+        "conv1d": weight((3 * width, spec.conv_kernel), (None, None)),  # depthwise, per q/k/v channel
+        "forget_gate": {
+            "f_a_proj": weight((hidden, head), ("embed", None)),
+            "f_b_proj": weight((head, width), (None, "heads")),
+            "dt_bias": weight((width,), ("heads",), jnp.float32, nn.initializers.zeros),
+            "A_log": weight((spec.num_heads,), ("heads",), jnp.float32, nn.initializers.zeros),
+        },
+        "b_proj": weight((hidden, spec.num_heads), ("embed", "heads")),
+        "g_a_proj": weight((hidden, head), ("embed", None)),
+        "g_b_proj": weight((head, width), (None, "heads")),
+        "o_norm": {"scale": weight((head,), ("norm",), initializer=nn.initializers.ones)},
+        "o_proj": weight((width, hidden), ("heads", "embed")),
+    }
+
+
+def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = None):
+    """Depthwise causal convolution then SiLU. x: [B, T, C]; weight: [C, K] (tap K-1 on the
+    current position); state: [B, K-1, C] the previous positions (None: zeros). Returns (out
+    [B, T, C] in x's dtype, the new state [B, K-1, C]: the last K-1 inputs)."""
+    taps = weight.shape[-1]
+    if state is None:
+        state = jnp.zeros(x.shape[:1] + (taps - 1,) + x.shape[2:], x.dtype)
+    history = state.astype(x.dtype)
+    padded = jnp.concatenate([history, x], axis=1)  # [B, K-1+T, C]
+    length = x.shape[1]
+    out = sum(padded[:, j:j + length].astype(jnp.float32) * weight[:, j].astype(jnp.float32)
+              for j in range(taps))
+    return jax.nn.silu(out).astype(x.dtype), padded[:, length:]
+
+
+def forget_gate(spec: LinearAttentionSpec, weights, x: jax.Array) -> jax.Array:
+    """The per-channel log decay g [B, T, N, H] float32 (<= 0) from x [B, T, D]."""
+    gate = x @ weights["f_a_proj"].astype(x.dtype) @ weights["f_b_proj"].astype(x.dtype)
+    gate = (gate.astype(jnp.float32) + weights["dt_bias"].astype(jnp.float32))
+    gate = gate.reshape(x.shape[:2] + (spec.num_heads, spec.head_dim))
+    rate = jnp.exp(weights["A_log"].astype(jnp.float32))[:, None]  # [N, 1]
+    if spec.lower_bound is not None:
+        return spec.lower_bound * jax.nn.sigmoid(rate * gate)
+    return -rate * jax.nn.softplus(gate)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMS(x) * scale * sigmoid(gate), all in float32 (the reference keeps the weight float32
+    too), cast back to x's dtype. x, gate: [..., H]; scale: [H]."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+class LinearState(NamedTuple):
+    """A sequence's state in one KDA layer: what decoding carries instead of a KV cache."""
+
+    conv: jax.Array  # [B, K-1, 3 N H]: the last inputs of the short convolution
+    recurrent: jax.Array  # [B, N, H, H] float32: the delta rule's state
+
+
+def linear_attention(spec: LinearAttentionSpec, weights, x: jax.Array, state: LinearState | None = None):
+    """One KDA layer. x: [B, T, D] (normalised); state: the sequence so far (None: a new one).
+    Returns (out [B, T, D], the state after these positions). One position with a state decodes
+    by the recurrence; anything else runs chunked (chunked prefill continues from `state`)."""
+    batch, length, _ = x.shape
+    heads, head = spec.num_heads, spec.head_dim
+    qkv = jnp.concatenate([x @ weights[name].astype(x.dtype) for name in ("q_proj", "k_proj", "v_proj")], -1)
+    qkv, conv_state = causal_conv1d(qkv, weights["conv1d"], None if state is None else state.conv)
+    query, key, value = (part.reshape(batch, length, heads, head) for part in jnp.split(qkv, 3, axis=-1))
+    g = forget_gate(spec, weights["forget_gate"], x)
+    beta = jax.nn.sigmoid((x @ weights["b_proj"].astype(x.dtype)).astype(jnp.float32))
+    recurrent = None if state is None else state.recurrent
+    if state is not None and length == 1:
+        out, recurrent = kda_recurrent(query, key, value, g, beta, recurrent, use_qk_l2norm=True)
+    else:
+        out, recurrent = kda_chunked(query, key, value, g, beta, recurrent, spec.chunk_size,
+                                     use_qk_l2norm=True)
+    gate = (x @ weights["g_a_proj"].astype(x.dtype) @ weights["g_b_proj"].astype(x.dtype))
+    gate = gate.reshape(batch, length, heads, head)
+    out = gated_rms_norm(out, gate, weights["o_norm"]["scale"], spec.norm_eps)
+    out = out.reshape(batch, length, heads * head) @ weights["o_proj"].astype(x.dtype)
+    return out, LinearState(conv_state, recurrent)

@@ -59,3 +59,43 @@ def test_prefill_in_pieces_equals_one_piece_and_decoding_continues_it():
     np.testing.assert_allclose(pieces, np.asarray(whole_out), atol=1e-5)
     np.testing.assert_allclose(np.asarray(state), np.asarray(whole_state), atol=1e-5)
     assert jax.tree.leaves(state)[0].dtype == np.float32
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_the_layer_equals_the_reference_and_decodes_from_its_prefill(lower_bound):
+    """glm5_next's Glm5NextTextLinearAttention with random weights (norm and gate included); then
+    a prefill of 9 positions (two chunks of 8, the second padded) and 3 decoded positions, each
+    with the state carried, equal the whole sequence at once."""
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+
+    from glm5_jax.model.kda import LinearAttentionSpec, linear_attention
+
+    config = Glm5NextTextConfig(hidden_size=32, linear_num_heads=2, linear_head_dim=8,
+                                linear_conv_kernel_dim=4, linear_lower_bound=lower_bound, num_hidden_layers=1,
+                                layer_types=["linear_attention"], mlp_layer_types=["dense"])
+    module = reference.Glm5NextTextLinearAttention(config, 0).float()
+    rng = np.random.default_rng(7)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.from_numpy(rng.standard_normal(parameter.shape).astype(np.float32) * 0.3))
+    x = rng.standard_normal((2, 12, 32)).astype(np.float32)
+    with torch.no_grad():
+        want = module(torch.from_numpy(x)).numpy()
+    torch_weights = {name: p.detach().numpy() for name, p in module.named_parameters()}
+    linear = lambda name: torch_weights[name].T  # noqa: E731 - torch Linear [out, in] -> [in, out]
+    weights = {name: linear(f"{name}.weight") for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj",
+                                                            "g_b_proj", "o_proj")}
+    weights["conv1d"] = torch_weights["conv1d.weight"][:, 0]
+    weights["forget_gate"] = {"f_a_proj": linear("forget_gate.f_a_proj.weight"),
+                              "f_b_proj": linear("forget_gate.f_b_proj.weight"),
+                              "dt_bias": torch_weights["forget_gate.dt_bias"],
+                              "A_log": torch_weights["forget_gate.A_log"]}
+    weights["o_norm"] = {"scale": torch_weights["o_norm.weight"]}
+    spec = LinearAttentionSpec(32, 2, 8, 4, lower_bound, config.rms_norm_eps, chunk_size=8)
+    got, _ = linear_attention(spec, weights, x)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-4)
+    pieces, state = [], None
+    for start, end in ((0, 5), (5, 9), (9, 10), (10, 11), (11, 12)):
+        out, state = linear_attention(spec, weights, x[:, start:end], state)
+        pieces.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), want, atol=2e-5, rtol=1e-4)
