@@ -204,7 +204,8 @@ def follow(channel: CommandChannel, config, params, mesh, heartbeat_seconds: flo
 
 
 class _Heartbeat:
-    """A follower's liveness: its key updated every `seconds` (read by FollowerWatch)."""
+    """A follower's liveness: a counter under its key, advanced every `seconds` (FollowerWatch
+    watches it change on process 0's own clock: no clock shared between hosts is assumed)."""
 
     def __init__(self, seconds: float):
         self._stop = threading.Event()
@@ -213,8 +214,10 @@ class _Heartbeat:
         self._thread.start()
 
     def _run(self, seconds: float) -> None:
+        beat = 0
         while not self._stop.is_set():
-            _client().key_value_set(self._key, repr(time.time()), allow_overwrite=True)
+            _client().key_value_set(self._key, str(beat), allow_overwrite=True)
+            beat += 1
             self._stop.wait(seconds)
 
     def stop(self) -> None:
@@ -222,8 +225,9 @@ class _Heartbeat:
 
 
 class FollowerWatch:
-    """On process 0: calls `on_lost(reason)` once when a follower's heartbeat is older than
-    `timeout_seconds` (or was never seen within `startup_seconds`)."""
+    """On process 0: calls `on_lost(reason)` once when a follower's heartbeat has not advanced
+    for `timeout_seconds` (or was never seen within `startup_seconds`), timed on this process's
+    clock."""
 
     def __init__(self, on_lost, timeout_seconds: float = 5.0, startup_seconds: float = 600.0,
                  poll_seconds: float = 0.5):
@@ -234,20 +238,25 @@ class FollowerWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        started = time.time()
+        started = time.monotonic()
+        seen: dict[int, tuple[str, float]] = {}  # process -> (its last beat, when it changed here)
         while not self._stop.wait(self._poll):
+            now = time.monotonic()
             for process in range(1, jax.process_count()):
                 try:
-                    value = _client().key_value_try_get(f"{_PREFIX}/alive/{process}")
-                    age = time.time() - float(value)
+                    beat = _client().key_value_try_get(f"{_PREFIX}/alive/{process}")
                 except Exception:  # noqa: BLE001 - not published yet
-                    age = None
-                silent = age is not None and age > self._timeout
-                never = age is None and time.time() - started > self._startup
-                if silent or never:
-                    what = f"silent for {age:.1f} s" if silent else "never started"
-                    self._on_lost(f"serving process {process} of {jax.process_count()} stopped ({what})")
-                    return
+                    beat = None
+                if beat is not None and (process not in seen or seen[process][0] != beat):
+                    seen[process] = (beat, now)
+                if process in seen and now - seen[process][1] > self._timeout:
+                    what = f"silent for {now - seen[process][1]:.1f} s"
+                elif process not in seen and now - started > self._startup:
+                    what = "never started"
+                else:
+                    continue
+                self._on_lost(f"serving process {process} of {jax.process_count()} stopped ({what})")
+                return
 
     def stop(self) -> None:
         self._stop.set()
