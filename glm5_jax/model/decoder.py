@@ -111,12 +111,9 @@ class StackKinds(NamedTuple):
     uniform_run: bool | None
     uniform_sliding: bool | None
 
-    def layer(self, index, run_flag=None, sliding_flag=None) -> LayerKinds:
-        """Layer `index`'s kinds (index may be traced: then the flags come from the scan)."""
-        run = self.run[index] if run_flag is None else run_flag
-        sliding = self.sliding[index] if sliding_flag is None else sliding_flag
-        return LayerKinds(run_indexer=run if self.uniform_run is None else self.uniform_run,
-                          sliding=sliding if self.uniform_sliding is None else self.uniform_sliding)
+    def layer(self, run_flag, sliding_flag) -> LayerKinds:
+        """A layer's kinds from its flags (`run`, `sliding` at its index, or the scan's slice)."""
+        return LayerKinds.of(run_flag, sliding_flag, self.uniform_run, self.uniform_sliding)
 
 
 def stack_kinds(config: ModelConfig, layers: range) -> StackKinds:

@@ -48,7 +48,7 @@ class AttentionSpec:
     initializer_range: float
     indexer: IndexerSpec
     # "reference": dense [B, T, S] masks and `attend`; "pallas": gathered top-k attention on DSA
-    # layers and flash attention on sliding-window layers (`pallas_attention`).
+    # layers and flash attention on sliding-window layers (attention/pallas.py).
     attention_impl: str = "reference"
     dsa_stage: str = "off"  # DSA training (dsa_training.py): "off", "dense_warmup" or "sparse"
     causal_block_size: int = 0  # ExecutionOptions.causal_block_size (`attend_causal_blocks`)
@@ -69,6 +69,12 @@ class LayerKinds:
 
     run_indexer: bool | jax.Array
     sliding: bool | jax.Array
+
+    @classmethod
+    def of(cls, run_flag, sliding_flag, uniform_run: bool | None, uniform_sliding: bool | None) -> LayerKinds:
+        """A layer's kinds from its scanned flags, the stack's uniform values where it has them."""
+        return cls(run_indexer=run_flag if uniform_run is None else uniform_run,
+                   sliding=sliding_flag if uniform_sliding is None else uniform_sliding)
 
 
 def attention_probs(query: jax.Array, key: jax.Array, allowed: jax.Array) -> jax.Array:

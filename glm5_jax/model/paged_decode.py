@@ -165,7 +165,7 @@ def _run_stack(config: ModelConfig, options: ExecutionOptions, geo, stack: str, 
         layer, index, run_flag, sliding_flag = layer_inputs
         keys = PagedKeys(geo, pools, offset=index * geo.num_pages, dropped=num_layers * geo.num_pages)
         x, selected, keys, _ = decoder_layer(config, options, layer, x, keys,
-                                             kinds.layer(index, run_flag, sliding_flag), previous, ffn)
+                                             kinds.layer(run_flag, sliding_flag), previous, ffn)
         return (x, selected, keys.pools), None
 
     if isinstance(stack_params, tuple):

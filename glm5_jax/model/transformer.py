@@ -53,9 +53,7 @@ class DecoderLayer(nn.Module):
         """carry = (x [B, T, D], topk indices [B, T, k]); flags: bool scalars of this layer."""
         x, previous_indices = carry
         weights, scopes = declare_table(self, layer_weights(self.config, self.options, self.ffn))
-        kinds = LayerKinds(
-            run_indexer=run_indexer_flag if self.uniform_run_indexer is None else self.uniform_run_indexer,
-            sliding=sliding_flag if self.uniform_sliding is None else self.uniform_sliding)
+        kinds = LayerKinds.of(run_indexer_flag, sliding_flag, self.uniform_run_indexer, self.uniform_sliding)
         x, indices, _, stats = decoder_layer(self.config, self.options, weights, x,
                                              SequenceKeys(positions, segment_ids), kinds, previous_indices,
                                              self.ffn, with_stats=True)
