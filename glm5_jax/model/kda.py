@@ -49,32 +49,42 @@ def _initial_state(key, value, state):
     return state.astype(jnp.float32)
 
 
-def kda_recurrent(query, key, value, g, beta, state=None, use_qk_l2norm: bool = False):
+def kda_recurrent(query, key, value, g, beta, state=None, use_qk_l2norm: bool = False, starts=None):
     """The recurrence, position by position. query, key: [B, T, N, H]; value: [B, T, N, P];
-    g: [B, T, N, H] log decay (<= 0); beta: [B, T, N]; state: [B, N, H, P] or None (zeros).
-    Returns (out [B, T, N, P] in query's dtype, final state [B, N, H, P] float32)."""
+    g: [B, T, N, H] log decay (<= 0); beta: [B, T, N]; state: [B, N, H, P] or None (zeros);
+    starts: bool [B, T] or None: a document begins at t (packed rows), the state is zeroed
+    before t. Returns (out [B, T, N, P] in query's dtype, final state [B, N, H, P] float32)."""
     dtype = query.dtype
     query, key, value, g, beta = _prepare(query, key, value, g, beta, use_qk_l2norm)
+    if starts is None:
+        starts = jnp.zeros(query.shape[:2], bool)
 
     def step(state, inputs):
-        q, k, v, decay, rate = inputs  # [B, N, H], [B, N, H], [B, N, P], [B, N, H], [B, N]
-        state = state * jnp.exp(decay)[..., None]
+        q, k, v, decay, rate, start = inputs  # [B, N, H], [B, N, H], [B, N, P], [B, N, H], [B, N], [B]
+        state = jnp.where(start[:, None, None, None], 0.0, state) * jnp.exp(decay)[..., None]
         remembered = jnp.einsum("BNHP,BNH->BNP", state, k)
         state = state + jnp.einsum("BNH,BNP->BNHP", k, (v - remembered) * rate[..., None])
         return state, jnp.einsum("BNHP,BNH->BNP", state, q)
 
-    time_major = [jnp.moveaxis(a, 1, 0) for a in (query, key, value, g, beta)]
+    time_major = [jnp.moveaxis(a, 1, 0) for a in (query, key, value, g, beta, starts)]
     state, out = jax.lax.scan(step, _initial_state(key, value, state), time_major)
     return jnp.moveaxis(out, 0, 1).astype(dtype), state
 
 
-def kda_chunked(query, key, value, g, beta, state=None, chunk_size: int = 64, use_qk_l2norm: bool = False):
-    """`kda_recurrent`'s result computed chunk by chunk (shapes as there); the sequence is padded
-    to whole chunks (padding positions carry no decay and write nothing)."""
+def kda_chunked(query, key, value, g, beta, state=None, chunk_size: int = 64, use_qk_l2norm: bool = False,
+                starts=None):
+    """`kda_recurrent`'s result computed chunk by chunk (shapes as there, `starts` included); the
+    sequence is padded to whole chunks (padding positions carry no decay and write nothing).
+
+    Documents inside a chunk (starts): positions i, j interact only within one document
+    (`same[i, j]`), and the state that enters the chunk reaches only the positions before the
+    chunk's first start (`carry[i]`)."""
     dtype, length = query.dtype, query.shape[1]
     query, key, value, g, beta = _prepare(query, key, value, g, beta, use_qk_l2norm)
     state = _initial_state(key, value, state)
     pad = -length % chunk_size
+    if starts is None:
+        starts = jnp.zeros(query.shape[:2], bool)
 
     def chunks(a):  # [B, T, N, ...] -> [U, B, N, C, ...] (padded with zeros)
         a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
@@ -82,12 +92,18 @@ def kda_chunked(query, key, value, g, beta, state=None, chunk_size: int = 64, us
         return jnp.moveaxis(jnp.moveaxis(a, 3, 2), 1, 0)  # [U, B, N, C, ...]
 
     query, key, value, g, beta = (chunks(a) for a in (query, key, value, g, beta))
+    # Documents: a chunk's positions numbered by the starts within it (0: the incoming state's).
+    document = jnp.cumsum(jnp.pad(starts, ((0, 0), (0, pad))).reshape(starts.shape[0], -1, chunk_size),
+                          axis=-1)
+    document = jnp.moveaxis(document, 1, 0)[:, :, None]  # [U, B, 1, C]
+    same = document[..., :, None] == document[..., None, :]  # [U, B, 1, C, S]
+    carry = (document == 0)[..., None].astype(jnp.float32)  # [U, B, 1, C, 1]
     g = jnp.cumsum(g, axis=-2)  # log decay from the chunk's start, per position and channel
     k_beta, v_beta = key * beta[..., None], value * beta[..., None]
-    # decay[i, j, h] = exp(g_i - g_j) for j <= i: channel h's decay from position j to i.
-    lower = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    # decay[i, j, h] = exp(g_i - g_j) for j <= i in one document: channel h's decay from j to i.
+    lower = jnp.tril(jnp.ones((chunk_size, chunk_size), bool)) & same
     exponent = g[..., :, None, :] - g[..., None, :, :]  # [U, B, N, C, S, H]
-    decay = jnp.where(lower[:, :, None], jnp.exp(jnp.where(lower[:, :, None], exponent, 0.0)), 0.0)
+    decay = jnp.where(lower[..., None], jnp.exp(jnp.where(lower[..., None], exponent, 0.0)), 0.0)
     strictly_lower = jnp.tril(jnp.ones((chunk_size, chunk_size), bool), -1)
     # The delta rule inside a chunk: A[i, j] = -beta_i (k_i . decay_ij . k_j) for j < i, and
     # (I - A)^-1 folds each position's writes into the later ones' reads.
@@ -95,20 +111,22 @@ def kda_chunked(query, key, value, g, beta, state=None, chunk_size: int = 64, us
     eye = jnp.eye(chunk_size, dtype=jnp.float32)
     solve = jnp.linalg.inv(eye - jnp.where(strictly_lower, a, 0.0))  # unit lower triangular
     new_values = solve @ v_beta  # [U, B, N, C, P]
-    cumulative_keys = solve @ (k_beta * jnp.exp(g))  # [U, B, N, C, H]
+    cumulative_keys = solve @ (k_beta * jnp.exp(g) * carry)  # [U, B, N, C, H]
     # Attention inside the chunk: q_i . decay_ij . k_j for j <= i.
     inside = jnp.einsum("UBNCH,UBNSH,UBNCSH->UBNCS", query, key, decay)
 
     def step(state, inputs):
-        q, k, v, g_chunk, keys_decayed, scores = inputs
+        q, k, v, g_chunk, keys_decayed, scores, carry, same = inputs
         written = v - keys_decayed @ state  # [B, N, C, P]: each position's write, the state's part removed
-        out = (q * jnp.exp(g_chunk)) @ state + scores @ written
+        out = (q * jnp.exp(g_chunk) * carry) @ state + scores @ written
         last = g_chunk[..., -1:, :]  # [B, N, 1, H]: the decay over the whole chunk
-        carried = jnp.swapaxes(k * jnp.exp(last - g_chunk), -1, -2) @ written  # [B, N, H, P]
-        state = state * jnp.exp(last)[..., 0, :, None] + carried
+        in_last_document = same[..., -1, :, None].astype(jnp.float32)  # [B, 1, C, 1]
+        writers = k * jnp.exp(last - g_chunk) * in_last_document  # [B, N, C, H]
+        carried = jnp.swapaxes(writers, -1, -2) @ written  # [B, N, H, P]
+        state = state * (jnp.exp(last)[..., 0, :, None] * carry[..., -1:, :]) + carried
         return state, out
 
-    state, out = jax.lax.scan(step, state, (query, key, new_values, g, cumulative_keys, inside))
+    state, out = jax.lax.scan(step, state, (query, key, new_values, g, cumulative_keys, inside, carry, same))
     out = jnp.moveaxis(out, 0, 1)  # [B, U, N, C, P]
     out = jnp.moveaxis(out, 2, 3).reshape(out.shape[0], -1, out.shape[2], out.shape[-1])[:, :length]
     return out.astype(dtype), state
@@ -159,9 +177,10 @@ def linear_attention_weights(spec: LinearAttentionSpec, param_dtype) -> WeightTa
     }
 
 
-def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = None):
+def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = None, starts=None):
     """Depthwise causal convolution then SiLU. x: [B, T, C]; weight: [C, K] (tap K-1 on the
-    current position); state: [B, K-1, C] the previous positions (None: zeros). Returns (out
+    current position); state: [B, K-1, C] the previous positions (None: zeros); starts: bool
+    [B, T] or None: a document begins at t, so no earlier input reaches it. Returns (out
     [B, T, C] in x's dtype, the new state [B, K-1, C]: the last K-1 inputs)."""
     taps = weight.shape[-1]
     if state is None:
@@ -169,7 +188,12 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = Non
     history = state.astype(x.dtype)
     padded = jnp.concatenate([history, x], axis=1)  # [B, K-1+T, C]
     length = x.shape[1]
-    out = sum(padded[:, j:j + length].astype(jnp.float32) * weight[:, j].astype(jnp.float32)
+    if starts is None:
+        same = lambda j: 1.0  # noqa: E731
+    else:  # the history is document 0, the row's positions count the starts up to them
+        document = jnp.pad(jnp.cumsum(starts, axis=1), ((0, 0), (taps - 1, 0)))
+        same = lambda j: (document[:, j:j + length] == document[:, taps - 1:])[..., None]  # noqa: E731
+    out = sum(padded[:, j:j + length].astype(jnp.float32) * weight[:, j].astype(jnp.float32) * same(j)
               for j in range(taps))
     return jax.nn.silu(out).astype(x.dtype), padded[:, length:]
 
@@ -200,23 +224,26 @@ class LinearState(NamedTuple):
     recurrent: jax.Array  # [B, N, H, H] float32: the delta rule's state
 
 
-def linear_attention(spec: LinearAttentionSpec, weights, x: jax.Array, state: LinearState | None = None):
-    """One KDA layer. x: [B, T, D] (normalised); state: the sequence so far (None: a new one).
+def linear_attention(spec: LinearAttentionSpec, weights, x: jax.Array, state: LinearState | None = None,
+                     starts: jax.Array | None = None):
+    """One KDA layer. x: [B, T, D] (normalised); state: the sequence so far (None: a new one);
+    starts: bool [B, T] or None: packed documents, each beginning from an empty state.
     Returns (out [B, T, D], the state after these positions). One position with a state decodes
     by the recurrence; anything else runs chunked (chunked prefill continues from `state`)."""
     batch, length, _ = x.shape
     heads, head = spec.num_heads, spec.head_dim
     qkv = jnp.concatenate([x @ weights[name].astype(x.dtype) for name in ("q_proj", "k_proj", "v_proj")], -1)
-    qkv, conv_state = causal_conv1d(qkv, weights["conv1d"], None if state is None else state.conv)
+    qkv, conv_state = causal_conv1d(qkv, weights["conv1d"], None if state is None else state.conv, starts)
     query, key, value = (part.reshape(batch, length, heads, head) for part in jnp.split(qkv, 3, axis=-1))
     g = forget_gate(spec, weights["forget_gate"], x)
     beta = jax.nn.sigmoid((x @ weights["b_proj"].astype(x.dtype)).astype(jnp.float32))
     recurrent = None if state is None else state.recurrent
     if state is not None and length == 1:
-        out, recurrent = kda_recurrent(query, key, value, g, beta, recurrent, use_qk_l2norm=True)
+        out, recurrent = kda_recurrent(query, key, value, g, beta, recurrent, use_qk_l2norm=True,
+                                       starts=starts)
     else:
         out, recurrent = kda_chunked(query, key, value, g, beta, recurrent, spec.chunk_size,
-                                     use_qk_l2norm=True)
+                                     use_qk_l2norm=True, starts=starts)
     gate = (x @ weights["g_a_proj"].astype(x.dtype) @ weights["g_b_proj"].astype(x.dtype))
     gate = gate.reshape(batch, length, heads, head)
     out = gated_rms_norm(out, gate, weights["o_norm"]["scale"], spec.norm_eps)

@@ -99,3 +99,33 @@ def test_the_layer_equals_the_reference_and_decodes_from_its_prefill(lower_bound
         out, state = linear_attention(spec, weights, x[:, start:end], state)
         pieces.append(np.asarray(out))
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), want, atol=2e-5, rtol=1e-4)
+
+
+def test_packed_documents_equal_each_document_alone():
+    """`starts` (packed rows): three documents in one row, split inside a chunk and on a chunk
+    boundary, each equal to that document run alone, in the recurrence, the chunked form and the
+    whole layer (its short convolution included)."""
+    from glm5_jax.model.kda import LinearAttentionSpec, linear_attention, linear_attention_weights
+
+    q, k, v, g, beta = inputs(3, length=T)
+    bounds = [0, 11, 16, T]  # 16: a chunk boundary with chunk_size 8
+    starts = np.zeros((B, T), bool)
+    starts[:, bounds[:-1]] = True
+    for run in (lambda *a, **kw: kda_recurrent(*a, use_qk_l2norm=True, **kw),
+                lambda *a, **kw: kda_chunked(*a, chunk_size=8, use_qk_l2norm=True, **kw)):
+        packed, _ = run(q, k, v, g, beta, starts=starts)
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            alone, _ = run(*(a[:, start:end] for a in (q, k, v, g, beta)))
+            np.testing.assert_allclose(np.asarray(packed)[:, start:end], np.asarray(alone), atol=1e-5)
+
+    spec = LinearAttentionSpec(hidden_size=16, num_heads=2, head_dim=4, conv_kernel=4, lower_bound=-5.0,
+                               norm_eps=1e-5, chunk_size=8)
+    rng = np.random.default_rng(5)
+    weights = jax.tree.map(lambda w: rng.standard_normal(w.shape).astype(np.float32) * 0.3,
+                           linear_attention_weights(spec, np.float32),
+                           is_leaf=lambda w: hasattr(w, "init"))
+    x = np.random.default_rng(4).standard_normal((B, T, 16)).astype(np.float32)
+    packed, _ = linear_attention(spec, weights, x, starts=starts)
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        alone, _ = linear_attention(spec, weights, x[:, start:end])
+        np.testing.assert_allclose(np.asarray(packed)[:, start:end], np.asarray(alone), atol=1e-5)
