@@ -9,6 +9,7 @@ directory that looks complete but is not.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -33,6 +34,7 @@ from glm5_jax.checkpoint.names import (
     hf_shape,
     optional_duplicates,
     scale_to_ours,
+    skipped_prefixes,
     to_hf,
     to_ours,
 )
@@ -41,6 +43,8 @@ from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.transformer import param_shapes
 from glm5_jax.quant.formats import QuantizedTensor, is_quantized
 from glm5_jax.quant.recipes import weight_layout
+
+logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -188,6 +192,11 @@ def load_pretrained(path: str | os.PathLike, dtype=None, keep_fp8: bool = False,
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
     unexpected = sorted(set(files) - expected - optional_duplicates(config))
+    for prefix, what in skipped_prefixes(config).items():
+        skipped = [name for name in unexpected if name.startswith(prefix)]
+        if skipped:
+            logger.warning("%s: skipped %s (%d tensors under %s)", directory, what, len(skipped), prefix)
+            unexpected = [name for name in unexpected if not name.startswith(prefix)]
     if unexpected:
         raise CheckpointError(
             f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")

@@ -15,6 +15,7 @@ import dataclasses
 import numpy as np
 
 from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.decoder import layer_stacks
 
 Path = tuple[str, ...]
 
@@ -58,13 +59,31 @@ def to_hf(name: TensorName, our_slice: np.ndarray, hf_shape: tuple[int, ...]) ->
 
 
 def _layer_names(config: ModelConfig, hf_prefix: str, path: Path, index: tuple[int, ...],
-                 ffn: str, has_indexer: bool) -> list[TensorName]:
-    def entry(hf_suffix: str, *our_keys: str, extra: tuple[int, ...] = ()) -> TensorName:
-        return TensorName(f"{hf_prefix}.{hf_suffix}", path + our_keys, index + extra)
+                 ffn: str, has_indexer: bool, attention: str = "mla") -> list[TensorName]:
+    def entry(hf_suffix: str, *our_keys: str, extra: tuple[int, ...] = (),
+              transposed: bool = True) -> TensorName:
+        return TensorName(f"{hf_prefix}.{hf_suffix}", path + our_keys, index + extra, transposed)
 
     names = [
         entry("input_layernorm.weight", "input_norm", "scale"),
         entry("post_attention_layernorm.weight", "post_attention_norm", "scale"),
+    ]
+    if config.hc_mult:  # hyper-connections: fn [out, in] like a Linear, base and scale vectors
+        names += [entry(f"hc_{hf}_{part}", ours, part)
+                  for hf, ours in (("attn", "attn_hc"), ("ffn", "ffn_hc"))
+                  for part in ("fn", "base", "scale")]
+    if attention == "linear":
+        linear = ("linear_attention",)
+        names += [entry(f"self_attn.{p}.weight", *linear, p)
+                  for p in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj")]
+        # The short convolutions: [channels, 1, taps] in the checkpoint, [channels, taps] here.
+        names += [entry(f"self_attn.{c}_conv1d.weight", *linear, f"{c}_conv1d", transposed=False)
+                  for c in "qkv"]
+        names += [entry(f"self_attn.{p}.weight", *linear, "forget_gate", p) for p in ("f_a_proj", "f_b_proj")]
+        names += [entry(f"self_attn.{p}", *linear, "forget_gate", p) for p in ("dt_bias", "A_log")]
+        names.append(entry("self_attn.o_norm.weight", *linear, "o_norm", "scale"))
+        return names + _ffn_names(config, entry, ffn)
+    names += [
         entry("self_attn.q_a_proj.weight", "attention", "q_a_proj"),
         entry("self_attn.q_a_layernorm.weight", "attention", "q_a_norm"),
         entry("self_attn.q_b_proj.weight", "attention", "q_b_proj"),
@@ -81,6 +100,16 @@ def _layer_names(config: ModelConfig, hf_prefix: str, path: Path, index: tuple[i
             entry("self_attn.indexer.k_norm.bias", "attention", "indexer", "k_norm_bias"),
             entry("self_attn.indexer.weights_proj.weight", "attention", "indexer", "weights_proj"),
         ]
+        if config.index_kpool:  # pooled DSA: the gate is [out, in] like a Linear, ape [pool, dim]
+            pooled = ("attention", "indexer")
+            names += [entry("self_attn.indexer.index_kpool_compress_gate", *pooled, "compress_gate"),
+                      entry("self_attn.indexer.index_kpool_compress_ape", *pooled, "compress_ape",
+                            transposed=False)]
+    return names + _ffn_names(config, entry, ffn)
+
+
+def _ffn_names(config: ModelConfig, entry, ffn: str) -> list[TensorName]:
+    names = []
     projections = ("gate_proj", "up_proj", "down_proj")
     if ffn == "dense":
         names += [entry(f"mlp.{p}.weight", "mlp", p) for p in projections]
@@ -96,8 +125,16 @@ def _layer_names(config: ModelConfig, hf_prefix: str, path: Path, index: tuple[i
     return names
 
 
+def text_prefix(config: ModelConfig) -> str:
+    """Where the text model's tensors live: GLM-5.3-Flash's checkpoints (glm5_next) hold it under
+    `model.language_model.` beside the vision tower (`model.visual.`)."""
+    return "model.language_model." if config.is_hybrid else "model."
+
+
 def checkpoint_names(config: ModelConfig) -> list[TensorName]:
     """Every tensor of the HF checkpoint of `config`, in a stable order."""
+    if config.is_hybrid:
+        return _hybrid_names(config)
     names = [TensorName("model.embed_tokens.weight", ("embed",), (), transposed=False)]
     for layer in range(config.num_layers):
         dense = layer < config.num_dense_layers
@@ -120,6 +157,28 @@ def checkpoint_names(config: ModelConfig) -> list[TensorName]:
     return names
 
 
+def _hybrid_names(config: ModelConfig) -> list[TensorName]:
+    """glm5_next's text tensors: one per layer stack slice (decoder.layer_stacks), no MTP."""
+    prefix = text_prefix(config)
+    names = [TensorName(f"{prefix}embed_tokens.weight", ("embed",), (), transposed=False)]
+    for stack in layer_stacks(config):
+        for index, layer in enumerate(stack.layers):
+            names += _layer_names(config, f"{prefix}layers.{layer}", (stack.name,), (index,), stack.ffn,
+                                  config.indexer_types[layer] == "full", stack.attention)
+    return names + [TensorName(f"{prefix}norm.weight", ("final_norm", "scale"), ()),
+                    TensorName("lm_head.weight", ("lm_head",), ())]
+
+
+def skipped_prefixes(config: ModelConfig) -> dict[str, str]:
+    """Tensor name prefixes a checkpoint of `config` may hold that the text model does not read:
+    {prefix: what it is}. GLM-5.3-Flash: the vision tower, and its MTP layer (transformers skips
+    it too)."""
+    if not config.is_hybrid:
+        return {}
+    return {"model.visual.": "the vision tower",
+            f"{text_prefix(config)}layers.{config.num_layers}.": "the MTP layer (not used by the text model)"}
+
+
 def optional_duplicates(config: ModelConfig) -> set[str]:
     """Tensors some MTP checkpoints repeat (copies of the main embedding and head); ignored."""
     if not config.num_mtp_layers:
@@ -135,6 +194,8 @@ def hf_shape(name: TensorName, our_slice_shape: tuple[int, ...]) -> tuple[int, .
     are its inputs ([heads, head_dim, out]).
     """
     shape = tuple(our_slice_shape)
+    if name.path[-1].endswith("_conv1d"):  # [channels, taps] -> [channels, 1, taps]
+        return (shape[0], 1, shape[1])
     if len(shape) == 1 or not name.transposed:
         return shape
     if name.path[-1] == "o_proj":

@@ -18,7 +18,8 @@ from typing import Any
 from glm5_jax.errors import ConfigError  # noqa: F401 - raised here, imported from here by callers
 
 INDEXER_TYPES = ("full", "shared")
-ATTENTION_TYPES = ("dsa", "sliding_window")
+# "linear": Kimi Delta Attention (kda.py), GLM-5.3-Flash's `linear_attention` layers.
+ATTENTION_TYPES = ("dsa", "sliding_window", "linear")
 # Execution fields (glm5_jax.model.options.ExecutionOptions) that older config files and saved
 # runs kept in the `model` section.
 MOVED_TO_EXECUTION = (
@@ -90,6 +91,23 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (154820, 154827, 154829)
     pad_token_id: int | None = 154820
+    # ---- GLM-5.3-Flash (transformers `glm5_next`); the defaults are GLM-5's (none of it).
+    # KDA linear attention of the "linear" attention_types layers (kda.py).
+    linear_num_heads: int = 0
+    linear_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    linear_lower_bound: float | None = -5.0  # the forget gate's floor; None: -exp(A) softplus
+    # Manifold-constrained hyper-connections (hyper_connections.py): residual streams; 0 = one
+    # plain residual stream, no hyper-connections (GLM-5). (1 is one stream inside them.)
+    hc_mult: int = 0
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # Pooled DSA (pooled_dsa.py): the indexer scores groups of index_kpool tokens; 0 = per-token
+    # indexer (GLM-5), >= 1 = pooled with its compression weights (GLM-5.3-Flash).
+    index_kpool: int = 0
+    index_kpool_always_select_tail: bool = True
+    # SwiGLU input clamp of every MLP and expert (gate <= limit, |up| <= limit); 0 = none.
+    swiglu_limit: float = 0.0
 
     # ------------------------------------------------------------------ derived
     @property
@@ -99,6 +117,11 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.num_dense_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """GLM-5.3-Flash's architecture (glm5_next): KDA layers, hyper-connections or pooled DSA."""
+        return "linear" in self.attention_types or self.hc_mult > 0 or self.index_kpool > 0
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -159,8 +182,8 @@ class ModelConfig:
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                     field, "must be a positive integer")
         require(self.index_topk >= 1, "index_topk", "must be >= 1")
-        require(self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0,
-                "qk_rope_head_dim", "must be a positive even number (RoPE rotates pairs)")
+        require(self.qk_rope_head_dim >= 0 and self.qk_rope_head_dim % 2 == 0,
+                "qk_rope_head_dim", "must be an even number (RoPE rotates pairs; 0 = NoPE)")
         require(self.index_head_dim >= self.qk_rope_head_dim, "index_head_dim",
                 f"must be >= qk_rope_head_dim={self.qk_rope_head_dim} (the indexer rotates that slice)")
         require(0 <= self.num_dense_layers <= self.num_layers, "num_dense_layers",
@@ -182,6 +205,19 @@ class ModelConfig:
         for field in ("rms_norm_eps", "latent_norm_eps", "index_norm_eps"):
             require(getattr(self, field) > 0, field, "must be > 0")
         require(self.num_mtp_layers in (0, 1), "num_mtp_layers", "must be 0 or 1")
+        require(self.hc_mult >= 0, "hc_mult", "must be >= 0 (0 = no hyper-connections)")
+        require(self.hc_sinkhorn_iters >= 1, "hc_sinkhorn_iters", "must be >= 1")
+        require(self.index_kpool >= 0, "index_kpool", "must be >= 0 (0 = per-token indexer)")
+        if self.index_kpool:
+            require(self.index_topk % self.index_kpool == 0, "index_topk",
+                    f"must be divisible by index_kpool={self.index_kpool}")
+        require(self.swiglu_limit >= 0, "swiglu_limit", "must be >= 0 (0 = no clamp)")
+        if "linear" in self.attention_types:
+            for field in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
+                require(getattr(self, field) >= 1, field, "must be >= 1 when a layer is 'linear'")
+        if self.is_hybrid:
+            require(self.num_mtp_layers == 0, "num_mtp_layers",
+                    "GLM-5.3-Flash (linear layers, hyper-connections or pooled DSA) has no MTP head here")
 
         require(len(self.indexer_types) == self.num_layers, "indexer_types",
                 f"needs one entry per layer ({self.num_layers})")
@@ -198,7 +234,7 @@ class ModelConfig:
         seen_full = False
         layer_types = zip(self.attention_types, self.indexer_types, strict=True)
         for layer, (attention, indexer) in enumerate(layer_types):
-            if attention != "dsa":
+            if attention != "dsa":  # sliding-window and KDA layers neither run nor reuse a selection
                 continue
             require(seen_full or indexer == "full", "indexer_types",
                     f"layer {layer} is 'shared' but no earlier DSA layer is 'full'")

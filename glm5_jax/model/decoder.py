@@ -3,7 +3,10 @@
     layer(x) :  h = x + o_proj(MLA(RMS(x); keys));   out = h + FFN(RMS(h))
     mtp(h, e):  x = [RMS(e), RMS(h)] eh_proj;  out = RMS(layer(x))   (predicts token t + 2)
 
-FFN is the dense SwiGLU for the first `num_dense_layers` layers and the MoE after them. Every
+FFN is the dense SwiGLU for the first `num_dense_layers` layers and the MoE after them.
+GLM-5.3-Flash (glm5_next) varies the layer: its attention is MLA or, on "linear" layers, KDA
+(kda.py); with hyper-connections (hc_mult = W >= 1) the residual is W streams [B, T, W, D] and
+each sublayer sits inside a hyper-connection (hyper_connections.py) instead of `x + f(RMS(x))`. Every
 function here is pure and reads weights by their checkpoint names (the tables below, which the
 training modules in transformer.py declare). The training stack (transformer.py) and the serving
 step (paged_decode.py) call the same `decoder_layer` and `mtp_block`; what differs is the source
@@ -21,6 +24,13 @@ import numpy as np
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.dsa import IndexerSpec
+from glm5_jax.model.hyper_connections import (
+    HyperSpec,
+    expand_streams,
+    hyper_connection,
+    hyper_connection_weights,
+)
+from glm5_jax.model.kda import LinearAttentionSpec, linear_attention_weights
 from glm5_jax.model.layers import (
     WeightSpec,
     WeightTable,
@@ -45,7 +55,8 @@ def attention_spec(config: ModelConfig, options: ExecutionOptions) -> AttentionS
         index_num_heads=config.index_num_heads, index_head_dim=config.index_head_dim,
         index_topk=config.index_topk, qk_rope_head_dim=config.qk_rope_head_dim,
         index_norm_eps=config.index_norm_eps, initializer_range=config.initializer_range,
-        impl=options.indexer_impl)
+        impl=options.indexer_impl, kpool=config.index_kpool,
+        always_select_tail=config.index_kpool_always_select_tail)
     return AttentionSpec(
         hidden_size=config.hidden_size, num_heads=config.num_heads,
         q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
@@ -71,15 +82,40 @@ def moe_spec(config: ModelConfig, options: ExecutionOptions) -> MoESpec:
         quantized_matmul=options.quantized_matmul)
 
 
+def linear_spec(config: ModelConfig, options: ExecutionOptions) -> LinearAttentionSpec:
+    """What one KDA ("linear") layer needs of the config and the execution options."""
+    return LinearAttentionSpec(
+        hidden_size=config.hidden_size, num_heads=config.linear_num_heads, head_dim=config.linear_head_dim,
+        conv_kernel=config.linear_conv_kernel_dim, lower_bound=config.linear_lower_bound,
+        norm_eps=config.rms_norm_eps, initializer_range=config.initializer_range,
+        chunk_size=options.linear_chunk_size)
+
+
+def hyper_spec(config: ModelConfig) -> HyperSpec:
+    return HyperSpec(streams=config.hc_mult, hidden_size=config.hidden_size,
+                     sinkhorn_iters=config.hc_sinkhorn_iters, eps=config.hc_eps, norm_eps=config.rms_norm_eps)
+
+
 # ----------------------------------------------------------------------------- weights
 
 
-def layer_weights(config: ModelConfig, options: ExecutionOptions, ffn: str) -> WeightTable:
-    """One decoder layer's weights; ffn: "dense" or "moe"."""
+def layer_weights(config: ModelConfig, options: ExecutionOptions, ffn: str,
+                  attention: str = "mla") -> WeightTable:
+    """One decoder layer's weights; ffn: "dense" or "moe"; attention: "mla" or "linear" (KDA,
+    its weights under linear_attention/). With hyper-connections (hc_mult >= 1) each sublayer's
+    (attn_hc/, ffn_hc/)."""
     dtype = options.weight_dtype
-    table = {"input_norm": norm_weights(config.hidden_size, dtype),
-             "attention": attention_weights(attention_spec(config, options), dtype),
-             "post_attention_norm": norm_weights(config.hidden_size, dtype)}
+    table: WeightTable = {}
+    if config.hc_mult:
+        table["attn_hc"] = hyper_connection_weights(hyper_spec(config), dtype)
+    table["input_norm"] = norm_weights(config.hidden_size, dtype)
+    if attention == "linear":
+        table["linear_attention"] = linear_attention_weights(linear_spec(config, options), dtype)
+    else:
+        table["attention"] = attention_weights(attention_spec(config, options), dtype)
+    if config.hc_mult:
+        table["ffn_hc"] = hyper_connection_weights(hyper_spec(config), dtype)
+    table["post_attention_norm"] = norm_weights(config.hidden_size, dtype)
     if ffn == "dense":
         table["mlp"] = mlp_weights(config.hidden_size, config.dense_intermediate_size,
                                    config.initializer_range, dtype)
@@ -97,6 +133,39 @@ def mtp_head_weights(config: ModelConfig, options: ExecutionOptions) -> WeightTa
                                   dtype, normal_init(config.initializer_range)),
             "layer": layer_weights(config, options, "moe"),
             "final_norm": norm_weights(config.hidden_size, dtype)}
+
+
+# ----------------------------------------------------------------------------- layer stacks
+
+
+class LayerStack(NamedTuple):
+    """Consecutive layers of one kind, scanned as one stack (their weights carry a leading layer
+    axis under `name`)."""
+
+    name: str
+    attention: str  # "mla" or "linear"
+    ffn: str  # "dense" or "moe"
+    layers: range
+
+
+def layer_stacks(config: ModelConfig) -> list[LayerStack]:
+    """The model's layer stacks in order: each maximal run of layers with the same attention
+    ("linear" KDA or "mla") and FFN. GLM-5 gives two, `dense_layers` and `moe_layers`; a hybrid
+    model one per run, named by its layers (`layers_4_to_6`)."""
+    def kind(layer):
+        return ("linear" if config.attention_types[layer] == "linear" else "mla",
+                "dense" if layer < config.num_dense_layers else "moe")
+
+    runs: list[tuple[tuple[str, str], int, int]] = []
+    for layer in range(config.num_layers):
+        if runs and runs[-1][0] == kind(layer):
+            runs[-1] = (runs[-1][0], runs[-1][1], layer + 1)
+        else:
+            runs.append((kind(layer), layer, layer + 1))
+    hybrid = "linear" in config.attention_types
+    return [LayerStack(f"layers_{first}_to_{end - 1}" if hybrid else f"{ffn}_layers", attention, ffn,
+                       range(first, end))
+            for (attention, ffn), first, end in runs]
 
 
 # ----------------------------------------------------------------------------- layer kinds
@@ -137,29 +206,59 @@ def feed_forward(config: ModelConfig, options: ExecutionOptions, weights, x, ffn
     return moe_block(moe_spec(config, options), weights["moe"], x, with_stats, constrain_output=on_sequence)
 
 
-def decoder_layer(config: ModelConfig, options: ExecutionOptions, weights, x, keys, kinds: LayerKinds,
-                  previous, ffn: str, with_stats: bool = False):
-    """One pre-norm decoder layer. weights: `layer_weights`' names; x: [B, T, D]; keys: the
-    source of keys (attention.sequence.SequenceKeys or attention.pages.PagedKeys); previous:
-    the previous DSA layer's selection.
+def residual_sublayer(config: ModelConfig, weights, x, norm: str, connection: str, sublayer):
+    """x + sublayer(RMS(x)) for one residual stream (x [B, T, D]); with hyper-connections
+    (hc_mult = W >= 1, x the streams [B, T, W, D]) the hyper-connection `connection` collapses
+    the streams into the sublayer's input and mixes its output back in. sublayer: [B, T, D] ->
+    ([B, T, D], aux). Returns (the new x, aux)."""
+    if not config.hc_mult:
+        out, aux = sublayer(rms_norm(x, weights[norm]["scale"], config.rms_norm_eps))
+        return x + out, aux
+    post, comb, collapsed = hyper_connection(hyper_spec(config), weights[connection], x)
+    out, aux = sublayer(rms_norm(collapsed, weights[norm]["scale"], config.rms_norm_eps))
+    return expand_streams(post, comb, out, x), aux
 
-    Returns (x [B, T, D], selection, keys (a page pool: this layer's entries written),
+
+def residual_axes(config: ModelConfig) -> tuple[str | None, ...]:
+    """The residual's logical axes: [B, T, D], or [B, T, W, D] with the (few) streams whole."""
+    return ("batch", "length", None, "embed") if config.hc_mult else ("batch", "length", "embed")
+
+
+def decoder_layer(config: ModelConfig, options: ExecutionOptions, weights, x, keys, kinds: LayerKinds,
+                  previous, ffn: str, with_stats: bool = False, attention: str = "mla"):
+    """One pre-norm decoder layer. weights: `layer_weights`' names; x: [B, T, D] (or the
+    streams [B, T, W, D] with hyper-connections); keys: the source of keys
+    (attention.sequence.SequenceKeys or attention.pages.PagedKeys), which for a "linear" (KDA)
+    layer also holds its recurrent state; previous: the previous DSA layer's selection (passed
+    through a KDA layer).
+
+    Returns (x, selection, keys (a page pool: this layer's entries written),
     diagnostics with_stats: {"selection_gap": min gap, "attention": {...}, "moe": {...}}, as
     `layers.sow_tree` takes them)."""
-    eps = config.rms_norm_eps
     on_sequence = keys.is_sequence
-    normed = rms_norm(x, weights["input_norm"]["scale"], eps)
+    gap, attention_stats, selection = None, {}, previous
+
     # Named scopes as the weights' names: profiles and HLO op names read like the checkpoint.
-    with jax.named_scope("attention"):
-        attended, selection, gap, attention_stats, keys = mla_attention(
-            attention_spec(config, options), weights["attention"], normed, keys, kinds, previous)
-    x = x + attended
-    normed = rms_norm(x, weights["post_attention_norm"]["scale"], eps)
-    with jax.named_scope("mlp" if ffn == "dense" else "moe"):
-        y, ffn_stats = feed_forward(config, options, weights, normed, ffn, with_stats, on_sequence)
-    x = x + y
+    def attend(normed):
+        nonlocal keys, selection, gap, attention_stats
+        if attention == "linear":
+            with jax.named_scope("linear_attention"):
+                out, keys = keys.attend_linear(linear_spec(config, options), weights["linear_attention"],
+                                               normed)
+            return out, None
+        with jax.named_scope("attention"):
+            out, selection, gap, attention_stats, keys = mla_attention(
+                attention_spec(config, options), weights["attention"], normed, keys, kinds, previous)
+        return out, None
+
+    def feed(normed):
+        with jax.named_scope("mlp" if ffn == "dense" else "moe"):
+            return feed_forward(config, options, weights, normed, ffn, with_stats, on_sequence)
+
+    x, _ = residual_sublayer(config, weights, x, "input_norm", "attn_hc", attend)
+    x, ffn_stats = residual_sublayer(config, weights, x, "post_attention_norm", "ffn_hc", feed)
     if on_sequence:
-        x = constrain(x, ("batch", "length", "embed"))
+        x = constrain(x, residual_axes(config))
     stats: dict[str, Any] = {}
     if with_stats:
         stats = {"attention": attention_stats, ffn: ffn_stats}

@@ -37,6 +37,11 @@ class IndexerSpec:
     # "reference": dense [T, S] scores + lax.top_k (below); "pallas": the fused score + top-k kernel
     # (kernels_pallas/dsa_indexer.py), whose indices come in key order instead of score order.
     impl: str = "reference"
+    # Pooled DSA (GLM-5.3-Flash, pooled_dsa.py): the indexer scores pools of `kpool` tokens and
+    # selects index_topk // kpool of them (plus the query's incomplete pool, always_select_tail);
+    # 0 = per-token selection (GLM-5).
+    kpool: int = 0
+    always_select_tail: bool = True
 
 
 def base_mask(positions: jax.Array, segment_ids: jax.Array, key_positions: jax.Array | None = None,
@@ -254,7 +259,16 @@ def indexer_weights(spec: IndexerSpec, param_dtype) -> WeightTable:
         "k_norm_bias": WeightSpec((dim,), ("norm",), param_dtype, nn.initializers.zeros),
         # Kept in float32, as in the reference (its output weighs the heads' scores).
         "weights_proj": WeightSpec((spec.hidden_size, heads), ("embed", "index_heads"), jnp.float32, init),
-    }
+    } | (pooled_weights(spec, param_dtype) if spec.kpool else {})
+
+
+def pooled_weights(spec: IndexerSpec, param_dtype) -> WeightTable:
+    """Pooled DSA's compression weights: a pool's key is the softmax(x Wgate + ape)-weighted sum
+    of its tokens' keys, per channel (reference init: gate ones, ape zeros: the pool's mean)."""
+    return {"compress_gate": WeightSpec((spec.hidden_size, spec.index_head_dim), ("embed", "head_dim"),
+                                        param_dtype, nn.initializers.ones),
+            "compress_ape": WeightSpec((spec.kpool, spec.index_head_dim), (None, "head_dim"), param_dtype,
+                                       nn.initializers.zeros)}
 
 
 def select_keys(weights: dict, spec: IndexerSpec, x, q_latent, cos, sin, allowed, run,

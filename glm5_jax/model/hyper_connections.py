@@ -8,10 +8,10 @@ streams [B, T, W, D] instead of one, and around each sublayer (attention, FFN):
     block in = sum_w pre_w x_w                                        [B, T, D]
     x'       = post (x) block_out + comb^T x                          [B, T, W, D]
 
-(F = `fn` rows split as [pre W | post W | comb W x W], b = `base`, s = `scale`: the checkpoint's
-`attn_hc.*` / `ffn_hc.*`). The Sinkhorn iterations alternate column and row normalisation so
-mixing the streams keeps their norms from growing. After the last layer the streams are
-averaged (`hyper_head`). Einsum letter W: the streams (glm5_jax/model/layers.py).
+(F = `fn` [W * D, (2 + W) W], its columns split as [pre W | post W | comb W x W], b = `base`,
+s = `scale`: the checkpoint's `hc_attn_*` / `hc_ffn_*`). The Sinkhorn iterations alternate
+column and row normalisation so mixing the streams keeps their norms from growing. After the
+last layer the streams are averaged (`hyper_head`). Einsum letter W: the streams (glm5_jax/model/layers.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class HyperSpec(NamedTuple):
 def hyper_connection_weights(spec: HyperSpec, param_dtype) -> WeightTable:
     """One hyper-connection's weights (`attn_hc` or `ffn_hc`); base and scale stay float32."""
     width = (2 + spec.streams) * spec.streams
-    return {"fn": WeightSpec((width, spec.streams * spec.hidden_size), (None, "embed_concat"), param_dtype,
+    return {"fn": WeightSpec((spec.streams * spec.hidden_size, width), ("embed_concat", None), param_dtype,
                              normal_init(0.02)),
             "base": WeightSpec((width,), (None,), jnp.float32, nn.initializers.zeros),
             "scale": WeightSpec((3,), (None,), jnp.float32, nn.initializers.ones)}
@@ -58,7 +58,7 @@ def hyper_connection(spec: HyperSpec, weights, streams: jax.Array):
     width = spec.streams
     flat = streams.reshape(streams.shape[:2] + (-1,)).astype(jnp.float32)
     flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + spec.norm_eps)
-    mixed = jnp.einsum("BTI,OI->BTO", flat, weights["fn"].astype(jnp.float32))
+    mixed = jnp.einsum("BTI,IO->BTO", flat, weights["fn"].astype(jnp.float32))  # fn [W * D, (2 + W) W]
     base, scale = weights["base"].astype(jnp.float32), weights["scale"].astype(jnp.float32)
     pre = jax.nn.sigmoid(mixed[..., :width] * scale[0] + base[:width]) + spec.eps
     post = 2 * jax.nn.sigmoid(mixed[..., width:2 * width] * scale[1] + base[width:2 * width])

@@ -162,7 +162,8 @@ def linear_attention_weights(spec: LinearAttentionSpec, param_dtype) -> WeightTa
         "q_proj": weight((hidden, width), ("embed", "heads")),
         "k_proj": weight((hidden, width), ("embed", "heads")),
         "v_proj": weight((hidden, width), ("embed", "heads")),
-        "conv1d": weight((3 * width, spec.conv_kernel), (None, None)),  # depthwise, per q/k/v channel
+        # Depthwise short convolutions [channels, taps] of the q, k and v projections.
+        **{f"{name}_conv1d": weight((width, spec.conv_kernel), ("heads", None)) for name in "qkv"},
         "forget_gate": {
             "f_a_proj": weight((hidden, head), ("embed", None)),
             "f_b_proj": weight((head, width), (None, "heads")),
@@ -233,7 +234,8 @@ def linear_attention(spec: LinearAttentionSpec, weights, x: jax.Array, state: Li
     batch, length, _ = x.shape
     heads, head = spec.num_heads, spec.head_dim
     qkv = jnp.concatenate([x @ weights[name].astype(x.dtype) for name in ("q_proj", "k_proj", "v_proj")], -1)
-    qkv, conv_state = causal_conv1d(qkv, weights["conv1d"], None if state is None else state.conv, starts)
+    conv = jnp.concatenate([weights[f"{name}_conv1d"] for name in "qkv"], axis=0)  # [3 N H, K]
+    qkv, conv_state = causal_conv1d(qkv, conv, None if state is None else state.conv, starts)
     query, key, value = (part.reshape(batch, length, heads, head) for part in jnp.split(qkv, 3, axis=-1))
     g = forget_gate(spec, weights["forget_gate"], x)
     beta = jax.nn.sigmoid((x @ weights["b_proj"].astype(x.dtype)).astype(jnp.float32))

@@ -92,6 +92,9 @@ class ExecutionOptions:
     # divides the sequence (and is shorter), which is not split over `context`, outside the DSA KL
     # stages. The same result either way; on a CPU 64 was fastest at T = 256 and 512.
     causal_block_size: int = 0
+    # KDA ("linear") layers over a sequence: positions per chunk of the chunked delta rule
+    # (kda.kda_chunked: [C, C] work per chunk, a lax.scan over chunks, so linear in length).
+    linear_chunk_size: int = 64
     # How the serving step (paged_step) multiplies by "fp8" QuantizedTensor weights (see
     # glm5_jax.quant.matmul): "dequantize" (a float copy of each weight per layer, then the
     # einsum: every backend), "native" (XLA float8 x float8 dots, activations quantized per 1x128
@@ -157,6 +160,9 @@ class ExecutionOptions:
         value = self.causal_block_size
         require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, "causal_block_size",
                 "must be an integer >= 0 (0 = one block)")
+        value = self.linear_chunk_size
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, "linear_chunk_size",
+                "must be an integer >= 1")
         require(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}")
         require(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
         require(self.indexer_impl in KERNEL_IMPLS, "indexer_impl", f"must be one of {KERNEL_IMPLS}")

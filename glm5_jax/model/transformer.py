@@ -2,7 +2,10 @@
 
 Each layer: x += MLA(RMS(x)); x += FFN(RMS(x)), FFN = dense SwiGLU for the first
 `num_dense_layers` layers and MoE afterwards. The two stacks are `nn.scan`s, so compile time
-does not grow with depth; their weights carry a leading layer axis.
+does not grow with depth; their weights carry a leading layer axis. A hybrid model
+(GLM-5.3-Flash) has one stack per run of layers of one kind (decoder.layer_stacks: KDA or MLA,
+dense or MoE), and with hyper-connections carries W residual streams from the embedding (copied)
+to the hyper-head (their mean) before the final norm.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from glm5_jax.model.attention.sequence import SequenceKeys
 from glm5_jax.model.config import ModelConfig, as_model_config
 from glm5_jax.model.decoder import (
     decoder_layer,
+    layer_stacks,
     layer_weights,
     mtp_block,
     mtp_head_weights,
+    residual_axes,
     stack_kinds,
 )
+from glm5_jax.model.hyper_connections import hyper_head
 from glm5_jax.model.layers import (
     declare_table,
     declare_weight,
@@ -47,16 +53,19 @@ class DecoderLayer(nn.Module):
     # Python bools when the whole stack agrees (no runtime branch); None: read the scanned flag.
     uniform_run_indexer: bool | None = True
     uniform_sliding: bool | None = False
+    attention: str = "mla"  # or "linear" (KDA)
 
     @nn.compact
     def __call__(self, carry, positions, segment_ids, run_indexer_flag, sliding_flag):
-        """carry = (x [B, T, D], topk indices [B, T, k]); flags: bool scalars of this layer."""
+        """carry = (x [B, T, D] or streams [B, T, W, D], topk indices [B, T, k]); flags: bool
+        scalars of this layer."""
         x, previous_indices = carry
-        weights, scopes = declare_table(self, layer_weights(self.config, self.options, self.ffn))
+        table = layer_weights(self.config, self.options, self.ffn, self.attention)
+        weights, scopes = declare_table(self, table)
         kinds = LayerKinds.of(run_indexer_flag, sliding_flag, self.uniform_run_indexer, self.uniform_sliding)
         x, indices, _, stats = decoder_layer(self.config, self.options, weights, x,
                                              SequenceKeys(positions, segment_ids), kinds, previous_indices,
-                                             self.ffn, with_stats=True)
+                                             self.ffn, with_stats=True, attention=self.attention)
         sow_tree(self, scopes, stats)
         return (x, indices), None
 
@@ -172,14 +181,17 @@ class Transformer(nn.Module):
                              f"evenly over the {shards('length')} devices of the `length` axis "
                              "(mesh axis `context`)")
         indices = SequenceKeys(positions, segment_ids).no_selection(config.index_topk)
+        if config.hc_mult:  # every residual stream starts as the embedding
+            x = constrain(jnp.broadcast_to(x[:, :, None], x.shape[:2] + (config.hc_mult, x.shape[-1])),
+                          residual_axes(config))
 
-        stacks = (("dense_layers", "dense", range(0, config.num_dense_layers)),
-                  ("moe_layers", "moe", range(config.num_dense_layers, config.num_layers)))
-        for name, ffn, layers in stacks:
-            if not layers:
-                continue
+        hybrid = "linear" in config.attention_types
+        if hybrid and pipeline_stages() > 1:
+            raise NotImplementedError("pipeline parallelism of a model with KDA (linear) layers: its "
+                                      "layer stacks are runs of one kind, not one MoE stack to split")
+        for name, attention, ffn, layers in layer_stacks(config):
             run, sliding, uniform_run, uniform_sliding = stack_kinds(config, layers)
-            if ffn == "moe" and pipeline_stages() > 1 and not self.is_initializing():
+            if ffn == "moe" and not hybrid and pipeline_stages() > 1 and not self.is_initializing():
                 x, indices = PipelinedStack(config=config, options=options, ffn=ffn,
                                             uniform_run_indexer=uniform_run,
                                             uniform_sliding=uniform_sliding, name=name)(
@@ -193,10 +205,13 @@ class Transformer(nn.Module):
                 length=len(layers),
                 unroll=min(options.scan_unroll, len(layers)),
                 # Only the MoE stack is pipelined: its layer axis is "layers" (-> pipeline).
-                metadata_params={nn.PARTITION_NAME: "layers" if ffn == "moe" else "prefix_layers"},
-            )(config, options, ffn, uniform_run, uniform_sliding, name=name)
+                metadata_params={nn.PARTITION_NAME: "layers" if (ffn, hybrid) == ("moe", False)
+                                 else "prefix_layers"},
+            )(config, options, ffn, uniform_run, uniform_sliding, attention, name=name)
             (x, indices), _ = stack((x, indices), positions, segment_ids, run, sliding)
 
+        if config.hc_mult:
+            x = hyper_head(x)
         final_norm, _ = declare_table(self, {"final_norm": norm_weights(config.hidden_size, param_dtype)})
         hidden = rms_norm(x, final_norm["final_norm"]["scale"], config.rms_norm_eps)
         lm_head = declare_weight(self, "lm_head", (config.hidden_size, config.vocab_size),

@@ -29,6 +29,7 @@ def test_hyper_connection_equals_the_reference(streams):
             comb.transpose(-1, -2), torch.from_numpy(x))  # as Glm5NextTextDecoderLayer.forward
     spec = HyperSpec(streams, hidden, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
     weights = {name: np.asarray(p.detach()) for name, p in module.named_parameters()}
+    weights["fn"] = weights["fn"].T  # ours [in, out], as every matrix here
     got_post, got_comb, got_collapsed = hyper_connection(spec, weights, x)
     for got, want in ((got_post, post), (got_comb, comb), (got_collapsed, collapsed)):
         np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=2e-5, rtol=1e-5)

@@ -85,7 +85,8 @@ def test_the_layer_equals_the_reference_and_decodes_from_its_prefill(lower_bound
     linear = lambda name: torch_weights[name].T  # noqa: E731 - torch Linear [out, in] -> [in, out]
     weights = {name: linear(f"{name}.weight") for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj",
                                                             "g_b_proj", "o_proj")}
-    weights["conv1d"] = torch_weights["conv1d.weight"][:, 0]
+    for index, name in enumerate("qkv"):  # the reference concatenates the checkpoint's three convs
+        weights[f"{name}_conv1d"] = np.split(torch_weights["conv1d.weight"][:, 0], 3)[index]
     weights["forget_gate"] = {"f_a_proj": linear("forget_gate.f_a_proj.weight"),
                               "f_b_proj": linear("forget_gate.f_b_proj.weight"),
                               "dt_bias": torch_weights["forget_gate.dt_bias"],

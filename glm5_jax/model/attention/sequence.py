@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.model.dsa import whole_sequence
+from glm5_jax.model.kda import linear_attention
+from glm5_jax.parallel import shards
 
 
 class SequenceKeys(NamedTuple):
@@ -40,6 +42,21 @@ class SequenceKeys(NamedTuple):
     def attend(self, backend, spec, weights, x, projected, kinds, previous):
         """(self, backend.over_sequence(...)): the sequence has nothing to store."""
         return self, backend.over_sequence(spec, weights, x, projected, self, kinds, previous)
+
+    def document_starts(self) -> jax.Array:
+        """bool [B, T]: a document begins here (the first position, or a new segment id)."""
+        changed = self.segment_ids[:, 1:] != self.segment_ids[:, :-1]
+        return jnp.concatenate([jnp.ones_like(changed[:, :1]), changed], axis=1)
+
+    def attend_linear(self, spec, weights, x):
+        """A KDA layer over the rows (kda.linear_attention from an empty state per document).
+        Returns (out [B, T, D], self)."""
+        if shards("length") > 1:
+            raise NotImplementedError(
+                "KDA (linear) layers under context parallelism: the recurrent state would have to "
+                "pass from one `context` device to the next; use a mesh without a `context` axis")
+        out, _ = linear_attention(spec, weights, x, starts=self.document_starts())
+        return out, self
 
 
 def whole_keys(projected):

@@ -1,0 +1,85 @@
+"""Parity with transformers 5.24's Glm5NextForConditionalGeneration (GLM-5.3-Flash, `glm5_next`)
+text path, float32: random hazard-aware weights (tests/reference.py's: non-trivial norms, gates,
+biases, hyper-connection scales), saved by transformers with its vision tower, loaded by
+`glm5_jax.load_pretrained` (which skips the tower and says so), logits compared.
+
+Variants cover several hc_mult and index_kpool values, a shared indexer layer, sequences shorter
+and longer than index_topk, and a SwiGLU clamp that bites. transformers runs glm5_next on a single
+sequence per row (padding only, no packed documents); packing is checked against each document
+alone in tests/model/test_model_next.py.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+from reference import randomize_
+
+import glm5_jax
+from glm5_jax.checkpoint import config_to_hf
+from glm5_jax.model.config import ModelConfig
+
+MAX_LOGIT_ERROR = 1e-4
+
+TINY_NEXT = dict(
+    vocab_size=64, hidden_size=32, dense_intermediate_size=48, moe_intermediate_size=16, num_layers=4,
+    num_dense_layers=1, num_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0,
+    v_head_dim=8, num_experts=4, num_experts_per_token=2, index_num_heads=2, index_head_dim=8, index_topk=8,
+    attention_types=["linear", "linear", "linear", "dsa"], linear_num_heads=2, linear_head_dim=8,
+    hc_mult=2, index_kpool=2, swiglu_limit=0.5, num_mtp_layers=0, pad_token_id=0, bos_token_id=None,
+    eos_token_ids=[1])
+
+
+def next_config(**changes) -> ModelConfig:
+    return ModelConfig.from_dict({**TINY_NEXT, **changes})
+
+
+def build_next_reference(config: ModelConfig, seed: int):
+    """transformers' model of `config` with a tiny vision tower, random hazard-aware weights."""
+    import torch
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    text = config_to_hf(config)["text_config"]
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=config.hidden_size,
+                  projection_intermediate_size=32)
+    torch.manual_seed(seed)
+    model = Glm5NextForConditionalGeneration._from_config(
+        Glm5NextConfig(text_config=text, vision_config=vision), attn_implementation="eager")
+    randomize_(model, seed)
+    return model.eval()
+
+
+def check_parity(config: ModelConfig, tmp_path, seq_len: int, seed: int = 1, batch: int = 2) -> float:
+    import torch
+
+    reference = build_next_reference(config, seed)
+    reference.save_pretrained(tmp_path)
+    loaded, params = glm5_jax.load_pretrained(tmp_path)
+    assert loaded == config
+    input_ids = np.random.default_rng(seed).integers(2, config.vocab_size, (batch, seq_len))
+    with torch.no_grad():
+        want = reference(torch.as_tensor(input_ids)).logits.numpy()
+    got = np.asarray(glm5_jax.forward(loaded, params, input_ids))
+    error = float(np.max(np.abs(got - want)))
+    print(f"max |logit error| = {error:.3g} (logits up to {np.abs(want).max():.3g})")
+    assert error <= MAX_LOGIT_ERROR
+    return error
+
+
+VARIANTS = {
+    # name: (config changes, sequence length)
+    "hc2_pool2_long": (dict(), 24),
+    "hc2_pool2_short": (dict(), 6),
+    "hc1_pool1": (dict(hc_mult=1, index_kpool=1), 20),
+    "hc4_pool4_no_tail": (dict(hc_mult=4, index_kpool=4, index_kpool_always_select_tail=False), 23),
+    "shared_indexer": (dict(attention_types=["linear", "dsa", "dsa", "linear"],
+                            indexer_types=["full", "full", "shared", "full"], num_dense_layers=2), 21),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_match_transformers_glm5_next(variant, tmp_path, caplog):
+    changes, seq_len = VARIANTS[variant]
+    with caplog.at_level(logging.WARNING, logger="glm5_jax.checkpoint.hf_io"):
+        check_parity(next_config(**changes), tmp_path, seq_len)
+    assert "skipped the vision tower" in caplog.text
