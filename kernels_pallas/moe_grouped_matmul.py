@@ -421,14 +421,26 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
 
 
 # ----------------------------------------------------------------------------- MoE experts
+def _swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """silu(gate) * up; limit > 0 clamps gate to <= limit and up to [-limit, limit] first (the
+    same contract as glm5_jax.model.layers.swiglu, which this package may not import)."""
+    if limit:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
 def routed_experts_pallas(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
                           up_proj: jax.Array, down_proj: jax.Array, *, backend: str | None = None,
-                          tiling: Tiling | None = None) -> jax.Array:
+                          tiling: Tiling | None = None, swiglu_limit: float = 0.0) -> jax.Array:
     """glm5_jax.model.moe.routed_experts_ragged with the Pallas grouped matmul.
 
     x [T, D]; weights [T, K] float; experts [T, K] int; gate/up [E, D, F]; down [E, F, D].
-    Returns [T, D] in x.dtype: sum_k weights[t, k] * down(silu(gate(x_t)) * up(x_t)) of expert k.
+    Returns [T, D] in x.dtype: sum_k weights[t, k] * down(silu(g) * u) of expert k, with
+    g = gate(x_t), u = up(x_t), first clamped (g <= L, |u| <= L) when swiglu_limit L > 0 (static).
     """
+    if swiglu_limit < 0:
+        raise ValueError(f"swiglu_limit must be >= 0 (0 = no clamp), got {swiglu_limit}")
     if x.ndim != 2 or weights.shape != experts.shape or experts.shape[:1] != x.shape[:1]:
         raise ValueError(f"need x [T, D], weights/experts [T, K]; got {x.shape}, {weights.shape}, "
                          f"{experts.shape}")
@@ -447,7 +459,7 @@ def routed_experts_pallas(x: jax.Array, weights: jax.Array, experts: jax.Array, 
     rows = x[token_of_row]  # [T*K, D]
     gate = matmul(rows, gate_proj.astype(dtype), group_sizes)  # [T*K, F]
     up = matmul(rows, up_proj.astype(dtype), group_sizes)
-    out = matmul(jax.nn.silu(gate) * up, down_proj.astype(dtype), group_sizes)  # [T*K, D]
+    out = matmul(_swiglu(gate, up, swiglu_limit), down_proj.astype(dtype), group_sizes)  # [T*K, D]
     out = out * weights.reshape(-1)[order][:, None].astype(dtype)
     return jnp.zeros((num_tokens, hidden), dtype).at[token_of_row].add(out)
 

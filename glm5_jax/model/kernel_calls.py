@@ -64,18 +64,22 @@ def flash_attention(query, key, value, positions, segment_ids, sliding_window: i
                      (_HEADS, _KEY_HEADS, _KEY_HEADS, _ROWS, _KEY_ROWS, _ROWS, _KEY_ROWS), _HEADS)
 
 
-def routed_experts(tokens: jax.Array, weights, experts, gate_proj, up_proj, down_proj) -> jax.Array:
+def routed_experts(tokens: jax.Array, weights, experts, gate_proj, up_proj, down_proj,
+                   swiglu_limit: float = 0.0) -> jax.Array:
     """kernels_pallas.moe_grouped_matmul on the calling device's tokens and whole experts.
-    tokens: [T, D]; weights, experts: [T, K]; *_proj: [E, ., .]. Returns [T, D]. (Inside the
-    expert-parallel dispatcher, which already runs per device.)"""
+    tokens: [T, D]; weights, experts: [T, K]; *_proj: [E, ., .]. Returns [T, D]. swiglu_limit:
+    the SwiGLU clamp (0 = none), as in glm5_jax.model.layers.swiglu. (Inside the expert-parallel
+    dispatcher, which already runs per device.)"""
     from kernels_pallas.moe_grouped_matmul import routed_experts_pallas as kernel
 
-    return kernel(tokens, weights, experts, gate_proj, up_proj, down_proj)
+    return kernel(tokens, weights, experts, gate_proj, up_proj, down_proj, swiglu_limit=swiglu_limit)
 
 
-def routed_experts_local(tokens: jax.Array, weights, experts, gate_proj, up_proj, down_proj) -> jax.Array:
+def routed_experts_local(tokens: jax.Array, weights, experts, gate_proj, up_proj, down_proj,
+                         swiglu_limit: float = 0.0) -> jax.Array:
     """`routed_experts` per device on its own tokens (rows split over the batch axes and `context`),
     experts whole."""
     whole = (None, None, None)
-    return run_local(routed_experts, (tokens, weights, experts, gate_proj, up_proj, down_proj),
+    return run_local(functools.partial(routed_experts, swiglu_limit=swiglu_limit),
+                     (tokens, weights, experts, gate_proj, up_proj, down_proj),
                      (_TOKENS, _TOKENS, _TOKENS, whole, whole, whole), _TOKENS)

@@ -277,8 +277,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
-def swiglu_mlp(x: jax.Array, weights: dict[str, Any], impl: str = "dequantize") -> jax.Array:
-    """down(silu(x gate) * (x up)). x: [..., D]; weights: gate_proj, up_proj [D, F], down_proj
-    [F, D] (`mlp_weights`; float or quantized, see `dense`) -> [..., D]."""
+def swiglu(gate: jax.Array, up: jax.Array, limit: float = 0.0) -> jax.Array:
+    """silu(gate) * up, elementwise (any matching shapes, e.g. [..., F]), in gate's dtype.
+
+    limit > 0 (GLM-5.3-Flash's `swiglu_limit`) first clamps the inputs: gate to at most limit,
+    up to [-limit, limit], bounding the activation of outlier tokens; 0 (GLM-5) leaves them as
+    they are. Every feed-forward path (dense MLP, shared and routed experts) calls this."""
+    if limit < 0:
+        raise ValueError(f"swiglu_limit must be >= 0 (0 = no clamp), got {limit}")
+    if limit:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+def swiglu_mlp(x: jax.Array, weights: dict[str, Any], impl: str = "dequantize",
+               swiglu_limit: float = 0.0) -> jax.Array:
+    """down(swiglu(x gate, x up)). x: [..., D]; weights: gate_proj, up_proj [D, F], down_proj
+    [F, D] (`mlp_weights`; float or quantized, see `dense`) -> [..., D]. swiglu_limit: see
+    `swiglu` (0 = no clamp)."""
     gate, up = dense(x, weights["gate_proj"], impl), dense(x, weights["up_proj"], impl)
-    return dense(jax.nn.silu(gate) * up, weights["down_proj"], impl)
+    return dense(swiglu(gate, up, swiglu_limit), weights["down_proj"], impl)

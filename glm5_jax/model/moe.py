@@ -11,6 +11,7 @@ experts run as a grouped (ragged) matmul over expert-sorted tokens, plus the sha
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -24,6 +25,7 @@ from glm5_jax.model.layers import (
     batched_matmul,
     mlp_weights,
     normal_init,
+    swiglu,
     swiglu_mlp,
 )
 from glm5_jax.parallel import constrain
@@ -50,6 +52,8 @@ class MoESpec:
     capacity_factor: float = 0.0  # 0 = dropless
     # How the gathered path multiplies by "fp8" expert weights (glm5_jax.quant.matmul.IMPLS).
     quantized_matmul: str = "dequantize"
+    # GLM-5.3-Flash clamps every SwiGLU's inputs (routed and shared experts): see layers.swiglu.
+    swiglu_limit: float = 0.0  # 0 = no clamp (GLM-5)
 
 
 def route(x: jax.Array, router: jax.Array, selection_bias: jax.Array, spec: MoESpec):
@@ -134,7 +138,7 @@ def _every_expert(x: jax.Array, weight) -> jax.Array:
 
 
 def routed_experts_dense(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
-                         up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+                         up_proj: jax.Array, down_proj: jax.Array, swiglu_limit: float = 0.0) -> jax.Array:
     """Every expert on every token, combined with zero weight for the unchosen ones.
 
     Same shapes and result as `routed_experts_ragged`; num_experts / top-k times the FLOPs, but
@@ -147,12 +151,13 @@ def routed_experts_dense(x: jax.Array, weights: jax.Array, experts: jax.Array, g
     combine = jnp.put_along_axis(combine, experts, weights, axis=-1, inplace=False)  # [T, E]
     gate = _every_expert(x, gate_proj)
     up = _every_expert(x, up_proj)
-    hidden = jax.nn.silu(gate) * up * combine.astype(dtype)[..., None]
+    hidden = swiglu(gate, up, swiglu_limit) * combine.astype(dtype)[..., None]
     return jnp.einsum("TEF,EFD->TD", hidden, down_proj.astype(dtype))
 
 
 def routed_experts_blocked(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
-                           up_proj: jax.Array, down_proj: jax.Array, block_rows: int = 128) -> jax.Array:
+                           up_proj: jax.Array, down_proj: jax.Array, block_rows: int = 128,
+                           swiglu_limit: float = 0.0) -> jax.Array:
     """Dropless grouped matmul from plain batched matmuls (fast where ragged_dot is not, e.g. CPU).
 
     Same shapes and result as `routed_experts_ragged`. Token copies are sorted by expert and
@@ -184,16 +189,17 @@ def routed_experts_blocked(x: jax.Array, weights: jax.Array, experts: jax.Array,
         jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block_rows, side="right"), num_experts - 1)
     gate = batched_matmul(blocks, gate_proj.astype(dtype)[block_expert])  # [G, C, F]
     up = batched_matmul(blocks, up_proj.astype(dtype)[block_expert])
-    out = batched_matmul(jax.nn.silu(gate) * up, down_proj.astype(dtype)[block_expert])  # [G, C, D]
+    out = batched_matmul(swiglu(gate, up, swiglu_limit), down_proj.astype(dtype)[block_expert])  # [G, C, D]
     out = out.reshape(capacity, hidden)[slot] * weights.reshape(-1)[order][:, None].astype(dtype)
     return jnp.zeros((num_tokens, hidden), dtype).at[token_of_row].add(out)
 
 
 def routed_experts_ragged(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
-                          up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+                          up_proj: jax.Array, down_proj: jax.Array, swiglu_limit: float = 0.0) -> jax.Array:
     """Runs each token through its chosen experts, dropless.
 
     x: [T, D]; weights, experts: [T, K]; gate/up: [E, D, F]; down: [E, F, D]. Returns [T, D].
+    swiglu_limit (every routed-experts path takes it): clamps the SwiGLU inputs, `layers.swiglu`.
     Token copies are sorted by expert so each expert's rows are contiguous; a grouped matmul
     (`ragged_dot`) then applies every expert to its own rows.
     """
@@ -207,13 +213,14 @@ def routed_experts_ragged(x: jax.Array, weights: jax.Array, experts: jax.Array, 
     rows = x[token_of_row]  # [T*K, D]
     gate = jax.lax.ragged_dot(rows, gate_proj.astype(dtype), group_sizes)
     up = jax.lax.ragged_dot(rows, up_proj.astype(dtype), group_sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_proj.astype(dtype), group_sizes)
+    out = jax.lax.ragged_dot(swiglu(gate, up, swiglu_limit), down_proj.astype(dtype), group_sizes)
     out = out * weights.reshape(-1)[order][:, None].astype(dtype)
     return jnp.zeros((num_tokens, x.shape[-1]), dtype).at[token_of_row].add(out)
 
 
 def routed_experts_gathered(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
-                            up_proj: jax.Array, down_proj: jax.Array, impl: str = "dequantize") -> jax.Array:
+                            up_proj: jax.Array, down_proj: jax.Array, impl: str = "dequantize",
+                            swiglu_limit: float = 0.0) -> jax.Array:
     """Each token through its own K experts, their weights gathered per token.
 
     Same shapes and result as `routed_experts_ragged`. Reads T*K expert matrices: the cheapest
@@ -225,7 +232,7 @@ def routed_experts_gathered(x: jax.Array, weights: jax.Array, experts: jax.Array
     dtype = x.dtype
     gate = expert_linear(x[:, None], gate_proj, experts, impl, dtype)  # [T, K, F]
     up = expert_linear(x[:, None], up_proj, experts, impl, dtype)
-    out = expert_linear(jax.nn.silu(gate) * up, down_proj, experts, impl, dtype)  # [T, K, D]
+    out = expert_linear(swiglu(gate, up, swiglu_limit), down_proj, experts, impl, dtype)  # [T, K, D]
     return jnp.einsum("TK,TKD->TD", weights.astype(dtype), out)
 
 
@@ -245,6 +252,7 @@ def routed_experts(tokens: jax.Array, weights: jax.Array, experts: jax.Array, ga
     dense paths read `InputMajorExperts` as they are; the others get the expert-major stack.
     """
     mesh = expert_mesh()
+    local_impl = functools.partial(ROUTED_EXPERTS[spec.impl], swiglu_limit=spec.swiglu_limit)
     if spec.impl != "dense" or mesh is not None:
         gate_proj, up_proj = (w.expert_major() if isinstance(w, InputMajorExperts) else w
                               for w in (gate_proj, up_proj))
@@ -254,15 +262,15 @@ def routed_experts(tokens: jax.Array, weights: jax.Array, experts: jax.Array, ga
         gate_proj, up_proj, down_proj = (w.astype(tokens.dtype) if is_quantized(w) else w
                                          for w in (gate_proj, up_proj, down_proj))
         return routed_experts_sharded(tokens, weights, experts, gate_proj, up_proj, down_proj, mesh=mesh,
-                                      local_impl=ROUTED_EXPERTS[spec.impl],
+                                      local_impl=local_impl,
                                       capacity_factor=spec.capacity_factor, dispatch=spec.dispatch)
     if experts.shape[0] * experts.shape[1] <= gate_proj.shape[0]:
         return routed_experts_gathered(tokens, weights, experts, gate_proj, up_proj, down_proj,
-                                       spec.quantized_matmul), None
+                                       spec.quantized_matmul, spec.swiglu_limit), None
     if spec.impl == "pallas":  # per device on its own tokens, whole experts
         return kernel_calls.routed_experts_local(tokens, weights, experts, gate_proj, up_proj,
-                                                 down_proj), None
-    return ROUTED_EXPERTS[spec.impl](tokens, weights, experts, gate_proj, up_proj, down_proj), None
+                                                 down_proj, spec.swiglu_limit), None
+    return local_impl(tokens, weights, experts, gate_proj, up_proj, down_proj), None
 
 
 def moe_weights(spec: MoESpec, param_dtype) -> WeightTable:
@@ -306,5 +314,5 @@ def moe_block(spec: MoESpec, weights, x: jax.Array, with_stats: bool = False, co
     if constrain_output:
         y = constrain(y, ("batch", "length", "embed"))
     if spec.num_shared_experts:
-        y = y + swiglu_mlp(x, weights["shared_experts"], spec.quantized_matmul)
+        y = y + swiglu_mlp(x, weights["shared_experts"], spec.quantized_matmul, spec.swiglu_limit)
     return y, stats
