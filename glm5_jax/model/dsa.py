@@ -43,6 +43,14 @@ class IndexerSpec:
     kpool: int = 0
     always_select_tail: bool = True
 
+    @property
+    def pooled_width(self) -> int:
+        """The width of a pooled selection's key list (pooled_dsa.pooled_selection_indices):
+        index_topk, plus the tail's kpool - 1; 0 without pooling."""
+        if not self.kpool:
+            return 0
+        return self.index_topk + (self.kpool - 1 if self.always_select_tail else 0)
+
 
 def base_mask(positions: jax.Array, segment_ids: jax.Array, key_positions: jax.Array | None = None,
               key_segment_ids: jax.Array | None = None) -> jax.Array:
@@ -77,9 +85,11 @@ def query_slice(x: jax.Array) -> jax.Array:
 
 
 def selection_mask(topk_indices: jax.Array, num_keys: int) -> jax.Array:
-    """Scatters selected key indices into a mask. [B, T, K] int -> bool [B, T, S=num_keys]."""
+    """Scatters selected key indices into a mask. [B, T, K] int (-1 = none: pooled DSA's lists)
+    -> bool [B, T, S=num_keys]."""
     empty = jnp.zeros(topk_indices.shape[:2] + (num_keys,), dtype=bool)
-    return jnp.put_along_axis(empty, topk_indices, True, axis=-1, inplace=False)
+    indices = jnp.where(topk_indices < 0, num_keys, topk_indices)
+    return jnp.put_along_axis(empty, indices, True, axis=-1, inplace=False, mode="drop")
 
 
 def indexer_queries(q_latent, cos, sin, wq_b, rope_dim: int) -> jax.Array:

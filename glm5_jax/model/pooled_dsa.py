@@ -63,6 +63,7 @@ def _shifted(x: jax.Array, shift: int, fill) -> jax.Array:
     """x[:, s - shift] along axis 1 ([B, S, ...]), `fill` where s - shift < 0."""
     if shift == 0:
         return x
+    shift = min(shift, x.shape[1])  # a row shorter than the shift: all fill
     pad = jnp.full((x.shape[0], shift) + x.shape[2:], fill, x.dtype)
     return jnp.concatenate([pad, x[:, :x.shape[1] - shift]], axis=1)
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from glm5_jax.model.attention.sequence import SequenceKeys
 from glm5_jax.model.config import ModelConfig, as_model_config
 from glm5_jax.model.decoder import (
+    attention_spec,
     decoder_layer,
     layer_stacks,
     layer_weights,
@@ -180,7 +181,8 @@ class Transformer(nn.Module):
             raise ValueError(f"context parallelism: the sequence length {length} does not split "
                              f"evenly over the {shards('length')} devices of the `length` axis "
                              "(mesh axis `context`)")
-        indices = SequenceKeys(positions, segment_ids).no_selection(config.index_topk)
+        indices = SequenceKeys(positions, segment_ids).no_selection(
+            config.index_topk, attention_spec(config, options).indexer.pooled_width)
         if config.hc_mult:  # every residual stream starts as the embedding
             x = constrain(jnp.broadcast_to(x[:, :, None], x.shape[:2] + (config.hc_mult, x.shape[-1])),
                           residual_axes(config))

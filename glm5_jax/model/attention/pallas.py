@@ -24,6 +24,9 @@ class PallasAttention:
     """ExecutionOptions attention_impl / decode_attention_impl "pallas"."""
 
     def over_sequence(self, spec, weights, x, projected, keys: SequenceKeys, kinds, previous):
+        if spec.indexer.kpool:
+            raise NotImplementedError("attention_impl 'pallas' with pooled DSA (index_kpool > 0): the "
+                                      "gathered top-k kernel reads per-token selections; use 'reference'")
         positions, segment_ids = keys.positions, keys.segment_ids
         latent, k_rope = whole_keys(projected)
         # No dense [B, T, S] mask unless the indexer needs one.

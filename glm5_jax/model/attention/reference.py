@@ -20,9 +20,10 @@ from glm5_jax.model.attention.pages import (
     select_over_pages,
 )
 from glm5_jax.model.attention.sequence import SequenceKeys, whole_keys
-from glm5_jax.model.dsa import base_mask, query_slice, select_keys, sliding_window_mask
+from glm5_jax.model.dsa import base_mask, query_slice, select_keys, selection_mask_local, sliding_window_mask
 from glm5_jax.model.dsa_training import attention_target, indexer_kl
 from glm5_jax.model.mla import attend_causal_blocks, attend_with, attention_probs, expand_latent
+from glm5_jax.model.pooled_dsa import pooled_select_keys
 from glm5_jax.parallel import constrain, shards
 
 
@@ -44,9 +45,14 @@ class ReferenceAttention:
         by_index = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
         causal = query_slice(base_mask(positions, segment_ids, key_positions, key_segment_ids) & by_index)
         training_dsa = spec.dsa_stage != "off"
-        indices, gap, top_k, *scores = select_keys(
-            weights["indexer"], spec.indexer, x, projected.q_latent, projected.cos, projected.sin, causal,
-            kinds.run_indexer, previous, positions, segment_ids, with_scores=training_dsa, with_mask=True)
+        if spec.indexer.kpool:
+            indices, gap, top_k = pooled_keys(spec, weights["indexer"], x, projected, keys, kinds, previous,
+                                              causal)
+            scores = []
+        else:
+            indices, gap, top_k, *scores = select_keys(
+                weights["indexer"], spec.indexer, x, projected.q_latent, projected.cos, projected.sin, causal,
+                kinds.run_indexer, previous, positions, segment_ids, with_scores=training_dsa, with_mask=True)
         # The dense warm-up attends to every causal key; otherwise DSA layers attend to the top-k.
         dsa_allowed = causal if spec.dsa_stage == "dense_warmup" else top_k
         if spec.sliding_window > 0 and kinds.sliding is not False:
@@ -71,6 +77,31 @@ class ReferenceAttention:
         selected = select_over_pages(spec, weights, x, projected, keys, kinds, previous)
         heads = attend_over_pages(paged_context, spec, weights, projected, keys, kinds, selected)
         return heads, selected, None, {}
+
+
+def pooled_keys(spec, weights, x, projected, keys: SequenceKeys, kinds, previous, causal):
+    """Pooled DSA's selection over a sequence (GLM-5.3-Flash, pooled_dsa.py) on layers that run
+    the indexer; others reuse `previous` (a key list, -1 = none). Returns (key list [B, T, K'],
+    boundary gap [B, T], the selection as a mask [B, T, S] within `causal`)."""
+    if spec.dsa_stage != "off" or spec.indexer.impl != "reference":
+        raise NotImplementedError("pooled DSA (index_kpool > 0) runs with dsa_stage 'off' and "
+                                  "indexer_impl 'reference' (no indexer KL or fused kernel over pools yet)")
+    indexer = spec.indexer
+
+    def run_indexer():
+        selected, gap, indices = pooled_select_keys(
+            weights, x, projected.q_latent, keys.positions, keys.segment_ids, index_topk=indexer.index_topk,
+            kpool=indexer.kpool, always_select_tail=indexer.always_select_tail,
+            norm_eps=indexer.index_norm_eps, with_indices=True)
+        return indices, gap, selected & causal
+
+    def reuse_previous():
+        return (previous, jnp.full(x.shape[:2], jnp.inf, jnp.float32),
+                causal & selection_mask_local(previous, causal.shape[-1]))
+
+    if isinstance(kinds.run_indexer, bool):
+        return run_indexer() if kinds.run_indexer else reuse_previous()
+    return jax.lax.cond(kinds.run_indexer, run_indexer, reuse_previous)
 
 
 def indexer_kl_sums(probs, scores, dsa_allowed, selected, kinds) -> dict[str, jax.Array]:

@@ -30,9 +30,12 @@ class SequenceKeys(NamedTuple):
     def backend_name(self, spec) -> str:
         return spec.attention_impl
 
-    def no_selection(self, topk: int) -> jax.Array:
-        """The selection before the first DSA layer: [B, T, min(topk, T)] int32 zeros."""
+    def no_selection(self, topk: int, pooled_width: int = 0) -> jax.Array:
+        """The selection before the first DSA layer: [B, T, min(topk, T)] int32 zeros; with pooled
+        DSA (pooled_width = IndexerSpec.pooled_width > 0) [B, T, pooled_width] of -1 (no key)."""
         batch, length = self.positions.shape
+        if pooled_width:
+            return jnp.full((batch, length, pooled_width), -1, jnp.int32)
         return jnp.zeros((batch, length, min(topk, length)), jnp.int32)
 
     def whole(self):
