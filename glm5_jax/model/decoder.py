@@ -79,7 +79,7 @@ def moe_spec(config: ModelConfig, options: ExecutionOptions) -> MoESpec:
         routed_scaling_factor=config.routed_scaling_factor,
         initializer_range=config.initializer_range, impl=options.moe_impl,
         dispatch=options.expert_dispatch, capacity_factor=options.expert_capacity_factor,
-        quantized_matmul=options.quantized_matmul)
+        quantized_matmul=options.quantized_matmul, swiglu_limit=config.swiglu_limit)
 
 
 def linear_spec(config: ModelConfig, options: ExecutionOptions) -> LinearAttentionSpec:
@@ -202,7 +202,7 @@ def feed_forward(config: ModelConfig, options: ExecutionOptions, weights, x, ffn
                  with_stats: bool = False, on_sequence: bool = True):
     """x: [B, T, D] normalised -> (FFN(x) [B, T, D], {diagnostic: value} (MoE, with_stats))."""
     if ffn == "dense":
-        return swiglu_mlp(x, weights["mlp"], options.quantized_matmul), {}
+        return swiglu_mlp(x, weights["mlp"], options.quantized_matmul, config.swiglu_limit), {}
     return moe_block(moe_spec(config, options), weights["moe"], x, with_stats, constrain_output=on_sequence)
 
 
