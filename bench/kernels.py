@@ -34,7 +34,7 @@ from kernels_pallas.common import PEAKS  # noqa: E402
 
 # Kernel modules in the order they are reported; missing ones are skipped with a note.
 MODULES = ("flash_attention", "sparse_attention", "dsa_indexer", "mla_decode", "ragged_paged_attention",
-           "moe_grouped_matmul", "fp8_matmul")
+           "moe_grouped_matmul", "fp8_matmul", "kda")
 
 
 # ----------------------------------------------------------------------------- cases

@@ -7,6 +7,7 @@ import math
 import jax
 
 from glm5_jax.model.config import ModelConfig, as_model_config
+from glm5_jax.model.decoder import layer_stacks
 from glm5_jax.model.transformer import param_shapes
 
 
@@ -29,18 +30,18 @@ def count_params(config: ModelConfig) -> dict[str, int]:
     config = as_model_config(config)
     shapes = param_shapes(config)
     total = _size({k: v for k, v in shapes.items() if k != "mtp"})
-    per_layer_indexer = {
-        name: _size(stack["attention"]["indexer"]) // stack["input_norm"]["scale"].shape[0]
-        for name, stack in shapes.items() if name in ("dense_layers", "moe_layers")}
-    for layer, indexer_type in enumerate(config.indexer_types):
-        if indexer_type == "shared":
-            total -= per_layer_indexer[
-                "dense_layers" if layer < config.num_dense_layers else "moe_layers"]
     active = total - _size(shapes["embed"])
-    if config.num_moe_layers:
-        experts = shapes["moe_layers"]["moe"]
-        per_expert = sum(_size(experts[p]) for p in ("gate_proj", "up_proj", "down_proj"))
-        per_expert //= config.num_moe_layers * config.num_experts
-        unused = config.num_experts - config.num_experts_per_token
-        active -= config.num_moe_layers * unused * per_expert
-    return {"total": total, "active": active, "mtp": _size(shapes.get("mtp", {}))}
+    for stack in layer_stacks(config):
+        weights = shapes[stack.name]
+        if stack.attention == "mla":
+            per_layer_indexer = _size(weights["attention"]["indexer"]) // len(stack.layers)
+            total -= per_layer_indexer * sum(config.indexer_types[i] == "shared" for i in stack.layers)
+        if stack.ffn == "moe":
+            experts = weights["moe"]
+            per_expert = sum(_size(experts[p]) for p in ("gate_proj", "up_proj", "down_proj"))
+            per_expert //= len(stack.layers) * config.num_experts
+            unused = config.num_experts - config.num_experts_per_token
+            active -= len(stack.layers) * unused * per_expert
+    # The placeholder indexers of "shared" layers are neither in total nor used by a token.
+    shared_placeholders = _size({k: v for k, v in shapes.items() if k != "mtp"}) - total
+    return {"total": total, "active": active - shared_placeholders, "mtp": _size(shapes.get("mtp", {}))}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from glm5_jax.parallel.local import Merged, run_local
 
@@ -83,3 +84,23 @@ def routed_experts_local(tokens: jax.Array, weights, experts, gate_proj, up_proj
     return run_local(functools.partial(routed_experts, swiglu_limit=swiglu_limit),
                      (tokens, weights, experts, gate_proj, up_proj, down_proj),
                      (_TOKENS, _TOKENS, _TOKENS, whole, whole, whole), _TOKENS)
+
+
+def kda_chunked(query, key, value, g, beta, state=None, starts=None, chunk_size: int | None = None):
+    """kernels_pallas.kda per device on its own sequences and heads, the length whole (the state
+    runs along it). Prepared float32 inputs (q scaled, q and k normalised): query, key, g:
+    [B, T, N, H]; value: [B, T, N, P]; beta: [B, T, N]; state: [B, N, H, P] or None (zeros);
+    starts: bool [B, T] or None. Returns (out [B, T, N, P], final state [B, N, H, P] float32)."""
+    from kernels_pallas.kda import kda as kernel
+
+    batch, length, heads, head_dim = query.shape
+    if state is None:
+        state = jnp.zeros((batch, heads, head_dim, value.shape[-1]), jnp.float32)
+    if starts is None:
+        starts = jnp.zeros((batch, length), bool)
+    states = ("batch", "heads", None, None)  # [B, N, H, P]
+    return run_local(functools.partial(kernel, chunk_size=chunk_size),
+                     (query, key, value, g, beta, state, starts),
+                     (_KEY_HEADS, _KEY_HEADS, _KEY_HEADS, _KEY_HEADS, ("batch", None, "heads"), states,
+                      ("batch", None)),
+                     (_KEY_HEADS, states))

@@ -42,8 +42,8 @@ def build_next_reference(config: ModelConfig, seed: int):
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
     text = config_to_hf(config)["text_config"]
-    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=config.hidden_size,
-                  projection_intermediate_size=32)
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
+                  out_hidden_size=config.hidden_size, projection_intermediate_size=32)
     torch.manual_seed(seed)
     model = Glm5NextForConditionalGeneration._from_config(
         Glm5NextConfig(text_config=text, vision_config=vision), attn_implementation="eager")
@@ -87,3 +87,28 @@ def test_logits_match_transformers_glm5_next(variant, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="glm5_jax.checkpoint.hf_io"):
         check_parity(next_config(**changes), tmp_path, seq_len)
     assert "skipped the vision tower" in caplog.text
+
+
+def test_released_parameter_count_equals_transformers():
+    """count_params of configs/glm5_next.py == transformers' Glm5NextTextModel of the default
+    Glm5NextTextConfig (built on the meta device: shapes only) plus its LM head, counting the
+    router's selection bias, which transformers holds as a buffer."""
+    import torch
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+    from glm5_jax.checkpoint.hf_config import config_from_hf
+    from glm5_jax.config_files import load_model_config
+
+    reference = Glm5NextTextConfig()
+    with torch.device("meta"):
+        text_model = Glm5NextTextModel(reference)
+    want = sum(t.numel() for t in list(text_model.parameters()) + list(text_model.buffers()))
+    want += reference.vocab_size * reference.hidden_size  # lm_head
+    config = load_model_config("configs/glm5_next.py")
+    # The same architecture as transformers' defaults (whose config.json names no eos token).
+    from_hf = config_from_hf({"model_type": "glm5_next", "text_config": reference.to_dict()})
+    assert config == from_hf.replace(eos_token_ids=config.eos_token_ids)
+    counts = glm5_jax.count_params(config)
+    assert counts["total"] == want == 313_326_828_862
+    assert counts["active"] == 16_742_350_142 and counts["mtp"] == 0
