@@ -36,6 +36,9 @@ EXECUTION_FLAG_TABLE: tuple[tuple[str, tuple[str, ...] | None, str], ...] = (
     ("indexer_impl", KERNEL_IMPLS,
      "full-sequence DSA indexer scores + top-k: reference (jnp) or pallas (the paged step streams "
      "its own top-k)"),
+    ("linear_attention_impl", KERNEL_IMPLS,
+     "KDA (linear attention) layers' chunked delta rule over a sequence (GLM-5.3-Flash): reference "
+     "(jnp, a lax.scan over chunks) or pallas (kernels_pallas/kda.py)"),
     ("decode_attention_impl", KERNEL_IMPLS,
      "MLA attention over the paged cache: reference (jnp) or pallas (the ragged paged-attention "
      "kernel; GPU/TPU)"),

@@ -26,6 +26,7 @@ MOVED_TO_EXECUTION = (
     "dtype", "param_dtype", "remat", "moe_impl", "attention_impl", "indexer_impl",
     "decode_attention_impl", "expert_dispatch", "expert_capacity_factor", "pipeline_microbatches",
     "quantized_matmul", "dsa_stage", "scan_unroll", "causal_block_size", "linear_chunk_size",
+    "linear_attention_impl",
 )
 
 

@@ -88,7 +88,7 @@ def linear_spec(config: ModelConfig, options: ExecutionOptions) -> LinearAttenti
         hidden_size=config.hidden_size, num_heads=config.linear_num_heads, head_dim=config.linear_head_dim,
         conv_kernel=config.linear_conv_kernel_dim, lower_bound=config.linear_lower_bound,
         norm_eps=config.rms_norm_eps, initializer_range=config.initializer_range,
-        chunk_size=options.linear_chunk_size)
+        chunk_size=options.linear_chunk_size, impl=options.linear_attention_impl)
 
 
 def hyper_spec(config: ModelConfig) -> HyperSpec:

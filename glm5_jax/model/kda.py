@@ -27,6 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.model import kernel_calls
 from glm5_jax.model.layers import WeightSpec, WeightTable, normal_init
 
 
@@ -132,6 +133,16 @@ def kda_chunked(query, key, value, g, beta, state=None, chunk_size: int = 64, us
     return out.astype(dtype), state
 
 
+def kda_chunked_pallas(query, key, value, g, beta, state=None, chunk_size: int = 64,
+                       use_qk_l2norm: bool = False, starts=None):
+    """`kda_chunked` by the Pallas kernel (kernels_pallas/kda.py, through kernel_calls: per device
+    on its own rows and heads). Same arguments and results."""
+    dtype = query.dtype
+    query, key, value, g, beta = _prepare(query, key, value, g, beta, use_qk_l2norm)
+    out, state = kernel_calls.kda_chunked(query, key, value, g, beta, state, starts, chunk_size)
+    return out.astype(dtype), state
+
+
 # ----------------------------------------------------------------------------- the layer
 
 
@@ -146,6 +157,7 @@ class LinearAttentionSpec(NamedTuple):
     norm_eps: float  # rms_norm_eps of the gated output norm
     initializer_range: float = 0.02
     chunk_size: int = 64
+    impl: str = "reference"  # the chunked form: "reference" (kda_chunked) or "pallas" (kernels_pallas/kda.py)
 
 
 def linear_attention_weights(spec: LinearAttentionSpec, param_dtype) -> WeightTable:
@@ -244,8 +256,9 @@ def linear_attention(spec: LinearAttentionSpec, weights, x: jax.Array, state: Li
         out, recurrent = kda_recurrent(query, key, value, g, beta, recurrent, use_qk_l2norm=True,
                                        starts=starts)
     else:
-        out, recurrent = kda_chunked(query, key, value, g, beta, recurrent, spec.chunk_size,
-                                     use_qk_l2norm=True, starts=starts)
+        chunked = kda_chunked if spec.impl == "reference" else kda_chunked_pallas
+        out, recurrent = chunked(query, key, value, g, beta, recurrent, spec.chunk_size, use_qk_l2norm=True,
+                                 starts=starts)
     gate = (x @ weights["g_a_proj"].astype(x.dtype) @ weights["g_b_proj"].astype(x.dtype))
     gate = gate.reshape(batch, length, heads, head)
     out = gated_rms_norm(out, gate, weights["o_norm"]["scale"], spec.norm_eps)

@@ -93,8 +93,10 @@ class ExecutionOptions:
     # stages. The same result either way; on a CPU 64 was fastest at T = 256 and 512.
     causal_block_size: int = 0
     # KDA ("linear") layers over a sequence: positions per chunk of the chunked delta rule
-    # (kda.kda_chunked: [C, C] work per chunk, a lax.scan over chunks, so linear in length).
+    # (kda.kda_chunked: [C, C] work per chunk, a lax.scan over chunks, so linear in length), run
+    # by "reference" (jnp) or "pallas" (kernels_pallas/kda.py, forward and backward).
     linear_chunk_size: int = 64
+    linear_attention_impl: str = "reference"
     # How the serving step (paged_step) multiplies by "fp8" QuantizedTensor weights (see
     # glm5_jax.quant.matmul): "dequantize" (a float copy of each weight per layer, then the
     # einsum: every backend), "native" (XLA float8 x float8 dots, activations quantized per 1x128
@@ -166,6 +168,8 @@ class ExecutionOptions:
         require(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}")
         require(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
         require(self.indexer_impl in KERNEL_IMPLS, "indexer_impl", f"must be one of {KERNEL_IMPLS}")
+        require(self.linear_attention_impl in KERNEL_IMPLS, "linear_attention_impl",
+                f"must be one of {KERNEL_IMPLS}")
         for field in ("attention_impl", "decode_attention_impl"):  # built in: KERNEL_IMPLS
             require(getattr(self, field) in backend_names(), field, f"must be one of {backend_names()}")
         require(self.quantized_matmul in QUANTIZED_MATMUL_IMPLS, "quantized_matmul",

@@ -404,7 +404,9 @@ def train_loop(run: Run) -> None:
             logged_keys = ("loss", "cross_entropy", "z_loss", "mtp_loss", "balance_loss",
                            "reward_margin", "reward_accuracy", "indexer_kl", "indexer_recall", "grad_norm")
             record = {key: metrics[key] for key in logged_keys if key in metrics}
-            load = np.asarray(metrics.get("expert_load/moe_layers", np.zeros((1, 1))), np.float64)
+            stacks = [np.asarray(value, np.float64) for key, value in metrics.items()
+                      if key.startswith("expert_load/") and key != "expert_load/mtp"]
+            load = np.concatenate(stacks) if stacks else np.zeros((1, 1))  # [MoE layers, E]
             record.update(learning_rate=schedule(step - 1), tokens_per_second=tokens_per_step / seconds,
                           step_seconds=seconds,
                           expert_load_max_over_mean=float(load.max() / max(load.mean(), 1e-9)),

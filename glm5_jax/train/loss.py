@@ -91,5 +91,5 @@ def language_model_losses(outputs, input_ids, segment_ids, *, z_loss_weight: flo
 
 
 def expert_loads(intermediates) -> dict[str, jax.Array]:
-    """Tokens routed to each expert: {"moe_layers": [L, E], "mtp": [E]} (whichever exist)."""
+    """Tokens routed to each expert: {MoE layer stack: [L, E], "mtp": [E]} (whichever exist)."""
     return {path[0]: value for path, value in sown_values(intermediates, "expert_load")}

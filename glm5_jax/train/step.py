@@ -79,13 +79,13 @@ def _fresh_leaf_sharding(params):
 
 def update_router_bias(params, loads: dict[str, jax.Array], rate: float):
     """Aux-loss-free balancing: raise the selection bias of under-loaded experts, lower it for
-    over-loaded ones. loads: {"moe_layers": [L, E], "mtp": [E]} token counts."""
+    over-loaded ones. loads: {MoE layer stack: [L, E], "mtp": [E]} token counts (a stack as
+    named by decoder.layer_stacks: "moe_layers", or a hybrid model's "layers_4_to_6")."""
     if rate == 0.0:
         return params
     params = dict(params)
-    locations = {"moe_layers": ("moe_layers", "moe"), "mtp": ("mtp", "layer", "moe")}
     for name, load in loads.items():
-        path = locations[name]
+        path = ("mtp", "layer", "moe") if name == "mtp" else (name, "moe")
         node = params
         parents = []
         for key in path:

@@ -130,3 +130,28 @@ def test_packed_documents_equal_each_document_alone():
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         alone, _ = linear_attention(spec, weights, x[:, start:end])
         np.testing.assert_allclose(np.asarray(packed)[:, start:end], np.asarray(alone), atol=1e-5)
+
+
+def test_the_layer_with_the_pallas_kernel_equals_the_reference_and_so_do_its_gradients():
+    """linear_attention_impl "pallas" (kernels_pallas/kda.py in interpret mode on a CPU): the
+    layer over packed documents and its gradients equal the jnp chunked form's."""
+    from glm5_jax.model.kda import LinearAttentionSpec, linear_attention, linear_attention_weights
+
+    spec = LinearAttentionSpec(hidden_size=16, num_heads=2, head_dim=8, conv_kernel=4, lower_bound=-5.0,
+                               norm_eps=1e-5, chunk_size=8)
+    rng = np.random.default_rng(9)
+    weights = jax.tree.map(lambda w: rng.standard_normal(w.shape).astype(np.float32) * 0.3,
+                           linear_attention_weights(spec, np.float32), is_leaf=lambda w: hasattr(w, "init"))
+    x = rng.standard_normal((2, 19, 16)).astype(np.float32)
+    starts = np.zeros((2, 19), bool)
+    starts[:, [0, 11]] = True
+
+    def loss(weights, spec):
+        out, state = linear_attention(spec, weights, x, starts=starts)
+        return jax.numpy.sum(out * out) + jax.numpy.sum(state.recurrent), out
+
+    (want_loss, want), want_grads = jax.value_and_grad(loss, has_aux=True)(weights, spec)
+    (got_loss, got), got_grads = jax.value_and_grad(loss, has_aux=True)(weights, spec._replace(impl="pallas"))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    for got_leaf, want_leaf in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(got_leaf), np.asarray(want_leaf), atol=1e-4, rtol=1e-4)
