@@ -5,5 +5,6 @@ import ml_collections
 
 
 def get_config():
-    fp8 = ("attention", "indexer", "dense_mlp", "routed_experts", "shared_expert", "mtp_projection")
+    fp8 = ("attention", "indexer", "linear_attention", "dense_mlp", "routed_experts", "shared_expert",
+           "mtp_projection")
     return ml_collections.ConfigDict({"formats": {name: "fp8" for name in fp8}})

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.model import kernel_calls
-from glm5_jax.model.layers import WeightSpec, WeightTable, normal_init
+from glm5_jax.model.layers import WeightSpec, WeightTable, dense, normal_init
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -213,7 +213,7 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = Non
 
 def forget_gate(spec: LinearAttentionSpec, weights, x: jax.Array) -> jax.Array:
     """The per-channel log decay g [B, T, N, H] float32 (<= 0) from x [B, T, D]."""
-    gate = x @ weights["f_a_proj"].astype(x.dtype) @ weights["f_b_proj"].astype(x.dtype)
+    gate = dense(dense(x, weights["f_a_proj"]), weights["f_b_proj"])
     gate = (gate.astype(jnp.float32) + weights["dt_bias"].astype(jnp.float32))
     gate = gate.reshape(x.shape[:2] + (spec.num_heads, spec.head_dim))
     rate = jnp.exp(weights["A_log"].astype(jnp.float32))[:, None]  # [N, 1]
@@ -245,12 +245,12 @@ def linear_attention(spec: LinearAttentionSpec, weights, x: jax.Array, state: Li
     by the recurrence; anything else runs chunked (chunked prefill continues from `state`)."""
     batch, length, _ = x.shape
     heads, head = spec.num_heads, spec.head_dim
-    qkv = jnp.concatenate([x @ weights[name].astype(x.dtype) for name in ("q_proj", "k_proj", "v_proj")], -1)
+    qkv = jnp.concatenate([dense(x, weights[name]) for name in ("q_proj", "k_proj", "v_proj")], -1)
     conv = jnp.concatenate([weights[f"{name}_conv1d"] for name in "qkv"], axis=0)  # [3 N H, K]
     qkv, conv_state = causal_conv1d(qkv, conv, None if state is None else state.conv, starts)
     query, key, value = (part.reshape(batch, length, heads, head) for part in jnp.split(qkv, 3, axis=-1))
     g = forget_gate(spec, weights["forget_gate"], x)
-    beta = jax.nn.sigmoid((x @ weights["b_proj"].astype(x.dtype)).astype(jnp.float32))
+    beta = jax.nn.sigmoid(dense(x, weights["b_proj"]).astype(jnp.float32))
     recurrent = None if state is None else state.recurrent
     if state is not None and length == 1:
         out, recurrent = kda_recurrent(query, key, value, g, beta, recurrent, use_qk_l2norm=True,
@@ -259,8 +259,8 @@ def linear_attention(spec: LinearAttentionSpec, weights, x: jax.Array, state: Li
         chunked = kda_chunked if spec.impl == "reference" else kda_chunked_pallas
         out, recurrent = chunked(query, key, value, g, beta, recurrent, spec.chunk_size, use_qk_l2norm=True,
                                  starts=starts)
-    gate = (x @ weights["g_a_proj"].astype(x.dtype) @ weights["g_b_proj"].astype(x.dtype))
+    gate = dense(dense(x, weights["g_a_proj"]), weights["g_b_proj"])
     gate = gate.reshape(batch, length, heads, head)
     out = gated_rms_norm(out, gate, weights["o_norm"]["scale"], spec.norm_eps)
-    out = out.reshape(batch, length, heads * head) @ weights["o_proj"].astype(x.dtype)
+    out = dense(out.reshape(batch, length, heads * head), weights["o_proj"])
     return out, LinearState(conv_state, recurrent)

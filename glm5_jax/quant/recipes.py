@@ -6,9 +6,11 @@ A recipe is an ml_collections config file (`configs/quant/<name>.py`, or any pat
     {"formats": {<module class>: "fp8" | "nvfp4" | "int8" | "none", ...}}   # missing: "none"
 
 Module classes (see `weight_layout`): attention (q_a, q_b, kv_a, kv_b, o projections), indexer
-(DSA wq_b, wk), dense_mlp, routed_experts, shared_expert, embedding, head (lm_head),
-mtp_projection (eh_proj). Never quantized: norms, biases, the router and its bias (float32), the
-indexer's head weights (float32).
+(DSA wq_b, wk), linear_attention (GLM-5.3-Flash's KDA projections: q, k, v, o, beta, gate and
+forget-gate), dense_mlp, routed_experts, shared_expert, embedding, head (lm_head), mtp_projection
+(eh_proj). Never quantized: norms, biases, the router and its bias (float32), the indexer's head
+weights (float32), KDA's short convolutions and decay parameters, hyper-connections and pooled
+DSA's compression weights (small, and every one of them feeds a softmax, sigmoid or exponent).
 """
 
 from __future__ import annotations
@@ -25,18 +27,21 @@ import ml_collections
 
 from glm5_jax.quant.formats import FORMATS, QuantizationError, is_quantized, quantize
 
-MODULE_CLASSES = ("attention", "indexer", "dense_mlp", "routed_experts", "shared_expert",
-                  "embedding", "head", "mtp_projection")
+MODULE_CLASSES = ("attention", "indexer", "linear_attention", "dense_mlp", "routed_experts",
+                  "shared_expert", "embedding", "head", "mtp_projection")
 ALWAYS_FLOAT = ("router", "router_bias", "weights_proj", "norms")  # named in errors only
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "configs" / "quant"
 
 # Leaf names that are never quantized: norm scales, biases, float32 router/indexer-head weights.
 _NEVER = {"scale", "router", "router_bias", "k_norm_scale", "k_norm_bias", "weights_proj", "q_a_norm",
-          "kv_a_norm"}
+          "kv_a_norm", "fn", "base", "dt_bias", "A_log", "q_conv1d", "k_conv1d", "v_conv1d", "compress_gate",
+          "compress_ape"}
 # Attention projections: (input axes, output axes) of our layout (docs/checkpoint_names.md).
 _ATTENTION = {"q_a_proj": (1, 1), "kv_a_proj": (1, 1), "q_b_proj": (1, 2), "kv_b_proj": (1, 2),
               "o_proj": (2, 1)}
 _INDEXER = {"wq_b": (1, 2), "wk": (1, 1)}
+_LINEAR_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "b_proj", "g_a_proj", "g_b_proj", "f_a_proj",
+                     "f_b_proj")
 _FFN = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -61,6 +66,8 @@ def weight_layout(path: tuple[str, ...]) -> WeightLayout | None:
         return WeightLayout("mtp_projection", 1, 1)
     if "indexer" in path and leaf in _INDEXER:
         return WeightLayout("indexer", *_INDEXER[leaf])
+    if "linear_attention" in path and leaf in _LINEAR_ATTENTION:
+        return WeightLayout("linear_attention", 1, 1)
     if "attention" in path and leaf in _ATTENTION:
         return WeightLayout("attention", *_ATTENTION[leaf])
     if leaf in _FFN:
