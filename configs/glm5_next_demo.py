@@ -18,6 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.update(dict(
         qk_nope_head_dim=48,
         qk_rope_head_dim=0,
+        rope_theta=1_000_000.0,  # unused (NoPE); the value a glm5_next config.json reads back as
         attention_types=["linear", "linear", "linear", "dsa"],
         num_mtp_layers=0,
         linear_num_heads=4,

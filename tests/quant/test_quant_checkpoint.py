@@ -178,3 +178,23 @@ def test_load_any_quantizes_with_a_recipe(checkpoints):
     assert params["moe_layers"]["moe"]["up_proj"].format == "nvfp4"
     assert params["dense_layers"]["attention"]["o_proj"].format == "fp8"
     assert not is_quantized(params["lm_head"])
+
+
+def test_glm5_next_fp8_checkpoint_loads_dequantized_and_kept(tmp_path):
+    """GLM-5.3-Flash (glm5_next) FP8 checkpoints: the KDA projections, MLA, indexer and FFN
+    weights in E4M3 (the fp8 recipe's classes), the convolutions, decays, hyper-connections and
+    pool compression in float; loaded dequantized or kept, equal to quantizing our params."""
+    config = load_model_config("configs/glm5_next_demo.py", num_layers=2, num_dense_layers=1,
+                               attention_types=["linear", "dsa"], indexer_types=["full", "full"])
+    params = _random_params(config)
+    save_pretrained(config, params, tmp_path / "float")
+    _write_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", config)
+    fp8_names = [name for name in _read_all(tmp_path / "fp8") if name.endswith("_scale_inv")]
+    assert any(".self_attn.q_proj." in name for name in fp8_names)  # a KDA projection
+    assert not any("conv1d" in name or "hc_" in name or "kpool" in name for name in fp8_names)
+    loaded_config, loaded = load_pretrained(tmp_path / "fp8")
+    assert loaded_config == config
+    _assert_trees_equal(loaded, dequantize_tree(quantize_params(params, "fp8")))
+    _, kept = load_pretrained(tmp_path / "fp8", keep_fp8=True)
+    assert is_quantized(kept["layers_0_to_0"]["linear_attention"]["o_proj"])
+    _assert_trees_equal(kept, quantize_params(params, "fp8"))
