@@ -314,6 +314,10 @@ def main(argv=None) -> int:
         sys.exit(f"error: {exc}")
     if tokenizer is None:
         sys.exit(f"error: {checkpoint} has no tokenizer.json; the server needs it to read and write text")
+    if args.speculative_tokens and "linear" in config.attention_types:
+        sys.exit(f"error: --speculative-tokens is not available for {checkpoint}, a hybrid (GLM-5.3-Flash, "
+                 "glm5_next) model: its MTP layer is not loaded, and a rejected draft would have to roll the "
+                 "KDA state back; serve it without --speculative-tokens")
     if args.speculative_tokens and not config.num_mtp_layers:
         sys.exit(f"error: --speculative-tokens drafts with the model's MTP layer, and {checkpoint} has none "
                  "(num_nextn_predict_layers = 0); serve it without --speculative-tokens")
@@ -353,6 +357,8 @@ def main(argv=None) -> int:
           f"{options.dtype}, moe_impl {options.moe_impl}, scan_unroll {options.scan_unroll}, "
           f"decode attention {options.decode_attention_impl})",
           flush=True)
+    if engine.prefix_caching_off:
+        print(engine.prefix_caching_off, flush=True)
     if template_defaults:
         print(f"chat requests start from chat_template_kwargs {json.dumps(template_defaults)} "
               "(--default-chat-template-kwargs)", flush=True)

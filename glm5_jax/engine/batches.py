@@ -3,7 +3,8 @@
 A decode plan becomes `decode_inputs`: per row (in a bucket of decode_buckets rows) its last token,
 position, block table, slot, remaining tokens, stop ids (EOS unless ignored; a constrained row's
 one-token `after` text) and the positions its pages cover (speculation). A mixed plan becomes
-`mixed_inputs`: the flat StepBatch of decode rows and prefill chunk rows, the rows to sample and
+`mixed_inputs`: the flat StepBatch of decode rows and prefill chunk rows (each row's KDA state slot is
+its sequence's slot), the rows to sample and
 their slots, the chunk tokens' next prompt tokens when a prompt is scored, and (speculation) each
 flat token's next token where the host knows it. `allowed_bits` is each row's grammar bitmask.
 """
@@ -93,6 +94,7 @@ def mixed_inputs(runner, plan: MixedPlan, max_slots: int, speculating: bool) -> 
     for row, sequence in enumerate(plan.decodes):
         batch.decode_tokens[row], batch.decode_positions[row] = sequence.tokens[-1], sequence.computed
         batch.block_tables[row] = runner.table(sequence.pages)
+        batch.state_slots[row] = sequence.slot  # its KDA state (hybrid models) lives in its slot
         sample_from(sequence, row)
     targets = None  # next-token ids of the chunk tokens, when a chunk's prompt is scored
     # Speculation: the MTP layer's input, each flat token's next token where known (the
@@ -107,6 +109,7 @@ def mixed_inputs(runner, plan: MixedPlan, max_slots: int, speculating: bool) -> 
             next_tokens[first:first + len(known)] = known
         batch.chunk_positions[row, :count] = np.arange(start, start + count)
         batch.block_tables[decode_rows + row] = runner.table(sequence.pages)
+        batch.state_slots[decode_rows + row] = sequence.slot
         if start + count == len(sequence.tokens) and sequence.max_new > 0:
             sample_from(sequence, decode_rows + row * chunk_len + count - 1)
         if sequence.payload.prompt_scores is not None:

@@ -22,6 +22,10 @@ Supervision: a step that raises fails only the requests in it (each ends with fi
 After `max_consecutive_failures` failing steps in a row the engine stops: `failure` says why,
 `submit` raises EngineUnavailableError, and serve.py exits non-zero for its supervisor.
 A preempted request keeps its sampler state (key, token counts) and resumes exactly where it was.
+Hybrid models (KDA linear layers): each running sequence's recurrent state lives in the runner's
+state pool at the sequence's slot; a sequence's first step (position 0) starts it empty, chunked
+prefill carries it across steps, and a preempted sequence is recomputed from its first token, so
+its state is rebuilt with its pages. Prefix caching is off for them (HYBRID_NO_PREFIX_CACHING).
 With `speculative_tokens` N > 0 a decode call whose rows are all eligible runs speculative rounds
 (`glm5_jax.engine.speculative`) and may emit up to N + 1 tokens per row and round; the rest of the
 engine is unchanged (a token is a token, whichever program produced it).
@@ -45,7 +49,7 @@ from glm5_jax.engine.batches import allowed_bits, decode_inputs, mixed_inputs
 from glm5_jax.engine.grammar import ConstrainedOutput, GrammarCompiler
 from glm5_jax.engine.observer import EngineObserver
 from glm5_jax.engine.paged_cache import PageAllocator
-from glm5_jax.engine.runner import DecodeCall, ModelRunner, Sampled
+from glm5_jax.engine.runner import DecodeCall, ModelRunner, Sampled, is_hybrid
 from glm5_jax.engine.scheduler import (
     DecodePlan,
     MixedPlan,
@@ -69,6 +73,11 @@ logger = logging.getLogger(__name__)
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 DEFAULT_DECODE_STEPS = 8
+# Why a hybrid model serves without prefix caching (docs/serving.md, "Hybrid models").
+HYBRID_NO_PREFIX_CACHING = (
+    "prefix caching is off for this hybrid (KDA linear-attention) model: cached pages hold the MLA "
+    "layers' latents of a prefix but not the KDA layers' recurrent state after it, so a prefix hit "
+    "could not resume the sequence")
 
 
 class RequestStream:
@@ -189,6 +198,11 @@ class Engine:
         self.token_budget = token_budget
         self.decode_steps = decode_steps
         self.speculative_tokens = speculative_tokens
+        # Why prefix caching is off although asked for (None: as asked).
+        self.prefix_caching_off: str | None = None
+        if prefix_caching and is_hybrid(config):
+            self.prefix_caching_off, prefix_caching = HYBRID_NO_PREFIX_CACHING, False
+            logger.warning(HYBRID_NO_PREFIX_CACHING)
         self.max_consecutive_failures = max_consecutive_failures
         self.observer = observer or EngineObserver()
         self.runner = runner_factory(config, params, max_slots=max_slots, num_pages=num_pages,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -51,6 +52,12 @@ from glm5_jax.parallel import constrain
 from glm5_jax.parallel.sharding import SERVING_RULES, activate, replicated, serving_param_shardings
 
 MAX_STOP_IDS = 16  # stop token ids the device checks per row (the host re-checks all of them)
+
+
+def is_hybrid(config: ModelConfig) -> bool:
+    """A model with KDA (linear) layers (GLM-5.3-Flash): per-sequence recurrent state beside the
+    pages (docs/serving.md, "Hybrid models")."""
+    return "linear" in config.attention_types
 
 
 def host_array(array) -> np.ndarray:
@@ -158,8 +165,9 @@ def decode_loop(config: ModelConfig, params, cache, state: SamplingState, tokens
                 remaining, stop_ids, logprobs_wanted, allowed, *, options, block_pages: int, steps: int):
     """Up to `steps` decode steps on the device.
 
-    tokens, positions, slots, remaining: [R] int32 (position -1 = padding row; remaining = tokens
-    the row may still generate); tables: [R, W]; stop_ids: [R, MAX_STOP_IDS] (-1 = none), ids that
+    tokens, positions, slots, remaining: [R] int32 (position -1 = padding row; slots: each row's
+    sampler slot, which is also its KDA state slot; remaining = tokens the row may still
+    generate); tables: [R, W]; stop_ids: [R, MAX_STOP_IDS] (-1 = none), ids that
     end a row (EOS included unless ignored); allowed: [R, ceil(V/32)] int32 token bitmask applied
     at every step (a constrained row runs one step per call: remaining 1). Returns (Sampled-like
     tuple of [steps, R] arrays with token -1 after a row finished, (tokens, positions,
@@ -178,7 +186,7 @@ def decode_loop(config: ModelConfig, params, cache, state: SamplingState, tokens
     def body(carry):
         step, cache, row_state, tokens, positions, remaining, outputs = carry
         active = (positions >= 0) & (remaining > 0)
-        batch = StepBatch(tokens, jnp.where(active, positions, -1), empty_chunk, empty_chunk, tables)
+        batch = StepBatch(tokens, jnp.where(active, positions, -1), empty_chunk, empty_chunk, tables, slots)
         logits, cache = paged_step(config, params, cache, batch, jnp.arange(rows), options=options,
                                    block_pages=block_pages)
         new, logprobs, top_ids, top_logprobs, row_state = _sample_rows(logits, row_state, logprobs_wanted,
@@ -213,6 +221,10 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params, *, max_slots: int, num_pages: int, page_size: int,
                  max_pages: int, options=None, block_positions: int = DEFAULT_BLOCK_POSITIONS,
                  mesh: jax.sharding.Mesh | None = None, speculative_tokens: int = 0):
+        if speculative_tokens and is_hybrid(config):
+            raise ValueError("speculative decoding is not available for hybrid (GLM-5.3-Flash, glm5_next) "
+                             "models: their checkpoints' MTP layer is not loaded here, and a rejected draft "
+                             "would have to roll the KDA state back; serve with speculative_tokens 0")
         if speculative_tokens and not config.num_mtp_layers:
             raise ValueError("speculative decoding drafts with the model's MTP layer, and this model has "
                              "none (num_mtp_layers = 0): serve it with speculative_tokens 0")
@@ -226,6 +238,9 @@ class ModelRunner:
         self.max_slots = max_slots
         self.page_size = page_size
         self.block_pages = max(1, min(block_positions // page_size, max_pages))
+        if config.index_kpool:  # pooled DSA streams whole pools: blocks a multiple of index_kpool
+            step = config.index_kpool // math.gcd(config.index_kpool, page_size)
+            self.block_pages = -(-self.block_pages // step) * step
         # Table width: whole streamed blocks, so the last block never reads past the table.
         self.table_width = -(-max_pages // self.block_pages) * self.block_pages
         self.num_pages = num_pages
@@ -262,12 +277,13 @@ class ModelRunner:
             self.cache = write_page(self.cache, jnp.int32(page), data, num_pages=self.num_pages)
 
     def padding_batch(self, chunk_rows: int, chunk_len: int) -> StepBatch:
-        """An all-padding mixed step (max_slots decode rows, a chunk geometry); fill in place."""
+        """An all-padding mixed step (max_slots decode rows, a chunk geometry); fill in place.
+        Rows' KDA state slots start at max_slots, an index whose writes are dropped."""
         rows = self.max_slots
         chunk = (chunk_rows, chunk_len)
         tables = np.zeros((rows + chunk_rows, self.table_width), np.int32)
         return StepBatch(np.zeros(rows, np.int32), np.full(rows, -1, np.int32), np.zeros(chunk, np.int32),
-                         np.full(chunk, -1, np.int32), tables)
+                         np.full(chunk, -1, np.int32), tables, np.full(rows + chunk_rows, rows, np.int32))
 
     def padding_decode(self, rows: int) -> dict[str, np.ndarray]:
         """All-padding `decode` inputs for `rows` rows (tokens, positions -1, tables, slots,
@@ -365,7 +381,8 @@ class ModelRunner:
         config = self.config
         self.cache = self._place(init_paged_cache(config, self.num_pages, self.page_size,
                                                   self.options and self.options.compute_dtype,
-                                                  mtp=bool(self.speculative_tokens)))
+                                                  mtp=bool(self.speculative_tokens),
+                                                  state_slots=self.max_slots))
         self.sampling = self._place(init_sampling_state(self.max_slots, config.vocab_size))
         self.drafts: DraftState | None = self._place(init_draft_state(
             self.max_slots, config.vocab_size, config.hidden_size)) if self.speculative_tokens else None

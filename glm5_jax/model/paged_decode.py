@@ -8,6 +8,12 @@ row groups of a `StepBatch`, the dense and sparse DSA regimes); the attention ba
 stack, one flat [L * P, page, F] array per cached name, updated in place), the serving layout of
 the weights (per-layer arrays for stacks run layer by layer, input-major dense experts), the
 layer loops and the logits of the sampled rows only.
+
+Hybrid models (GLM-5.3-Flash, glm5_next) run the same loop over `decoder.layer_stacks`: MLA
+stacks read and write pages; a KDA (linear) stack has no pages but a state pool of per-sequence
+recurrent state (attention/linear_pages.py), indexed by each row's `StepBatch.state_slots`; with
+hyper-connections the step carries the residual streams [T, 1, W, D] and folds them with the
+hyper-head before the final norm.
 """
 
 from __future__ import annotations
@@ -18,15 +24,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.model.attention.linear_pages import init_state_pool, state_bytes_per_layer
 from glm5_jax.model.attention.pages import PagedKeys, StepBatch, geometry, no_selection
 from glm5_jax.model.config import ModelConfig
-from glm5_jax.model.decoder import decoder_layer, mtp_block, stack_kinds
+from glm5_jax.model.decoder import (
+    LayerStack,
+    decoder_layer,
+    layer_stacks,
+    linear_spec,
+    mtp_block,
+    stack_kinds,
+)
+from glm5_jax.model.hyper_connections import hyper_head
 from glm5_jax.model.layers import rms_norm
 from glm5_jax.model.moe import input_major_experts
 from glm5_jax.model.options import ExecutionOptions
 
 __all__ = ["DEFAULT_BLOCK_POSITIONS", "StepBatch", "init_paged_cache", "paged_cache_bytes_per_page",
-           "paged_step", "paged_mtp_step", "read_page", "serving_layout", "write_page"]
+           "paged_step", "paged_mtp_step", "read_page", "serving_layout", "state_bytes_per_sequence",
+           "write_page"]
 
 DEFAULT_BLOCK_POSITIONS = 128  # cache positions streamed per attention / indexer block
 
@@ -34,30 +50,39 @@ DEFAULT_BLOCK_POSITIONS = 128  # cache positions streamed per attention / indexe
 # ----------------------------------------------------------------------------- layer pieces
 
 
-def _stack_sizes(config: ModelConfig) -> dict[str, int]:
-    sizes = {"dense_layers": config.num_dense_layers, "moe_layers": config.num_moe_layers}
-    return {name: size for name, size in sizes.items() if size}
+def _stacks(config: ModelConfig) -> dict[str, LayerStack]:
+    """The model's layer stacks by name (decoder.layer_stacks: GLM-5's dense_layers and
+    moe_layers, a hybrid model's runs of one kind)."""
+    return {stack.name: stack for stack in layer_stacks(config)}
 
 
-def _stack_layers(config: ModelConfig, stack: str) -> range:
-    first = 0 if stack == "dense_layers" else config.num_dense_layers
-    return range(first, first + _stack_sizes(config)[stack])
-
-
-def _has_dsa(config: ModelConfig, stack: str) -> bool:
-    return any(config.attention_types[i] != "sliding_window" for i in _stack_layers(config, stack))
+def _has_dsa(config: ModelConfig, stack: LayerStack) -> bool:
+    return any(config.attention_types[i] != "sliding_window" for i in stack.layers)
 
 
 def _cache_stacks(config: ModelConfig, mtp: bool) -> dict[str, tuple[int, tuple[str, ...]]]:
-    """{stack: (layers, cached names)}; "mtp": the MTP layer (one DSA layer), when asked."""
+    """{stack: (layers, cached names)} of the page pool (KDA stacks have none: their state is
+    per sequence); "mtp": the MTP layer (one DSA layer), when asked."""
     with_keys, without = ("latent", "k_rope", "index_keys"), ("latent", "k_rope")
-    stacks = {stack: (size, with_keys if _has_dsa(config, stack) else without)
-              for stack, size in _stack_sizes(config).items()}
+    if config.index_kpool:
+        with_keys += ("index_gate",)
+    stacks = {name: (len(stack.layers), with_keys if _has_dsa(config, stack) else without)
+              for name, stack in _stacks(config).items() if stack.attention != "linear"}
     if mtp:
         if not config.num_mtp_layers:
             raise ValueError("an MTP cache needs a model with an MTP layer (num_mtp_layers >= 1)")
         stacks["mtp"] = (1, with_keys)
     return stacks
+
+
+def _cache_widths(config: ModelConfig) -> dict[str, int]:
+    return {"latent": config.kv_lora_rank, "k_rope": config.qk_rope_head_dim,
+            "index_keys": config.index_head_dim, "index_gate": config.index_head_dim}
+
+
+def _stored_dtype(name: str, storage):
+    """Gate logits are kept in float32 (the reference computes them so); the rest as stored."""
+    return jnp.dtype(jnp.float32) if name == "index_gate" else storage
 
 
 def page_storage_dtype(dtype, on_cpu: bool | None = None):
@@ -74,31 +99,52 @@ def page_storage_dtype(dtype, on_cpu: bool | None = None):
 
 
 def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None, mtp: bool = False,
-                     on_cpu: bool | None = None):
+                     on_cpu: bool | None = None, state_slots: int = 0):
     """Zeroed page pool: {stack: {"latent": [L * P, page, Rkv], "k_rope": [L * P, page, rope],
-    "index_keys": [L * P, page, H] (stacks with a DSA layer only)}}. dtype: the cache values'
-    (pass the step's options.compute_dtype; None = the default options' float32), stored as
-    `page_storage_dtype(dtype, on_cpu)`. mtp: add the MTP layer's stack "mtp"
-    (speculative decoding's draft; pages hold it like any other layer)."""
+    "index_keys": [L * P, page, H] (stacks with a DSA layer only), "index_gate": [L * P, page, H]
+    float32 (pooled DSA)}}. dtype: the cache values' (pass the step's options.compute_dtype;
+    None = the default options' float32), stored as `page_storage_dtype(dtype, on_cpu)`. mtp:
+    add the MTP layer's stack "mtp" (speculative decoding's draft; pages hold it like any other
+    layer). state_slots: a model with KDA (linear) layers gets, per KDA stack, a state pool
+    for that many sequences (the engine's slots) beside the pages, {"conv": [L * slots, K-1,
+    3NH], "recurrent": [L * slots, N, H, H] float32} (attention/linear_pages.py): its size
+    does not depend on any length."""
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
-    dtype = page_storage_dtype(dtype, on_cpu)
-    widths = {"latent": config.kv_lora_rank, "k_rope": config.qk_rope_head_dim,
-              "index_keys": config.index_head_dim}
-    return {stack: {name: jnp.zeros((size * num_pages, page_size, widths[name]), dtype) for name in names}
-            for stack, (size, names) in _cache_stacks(config, mtp).items()}
+    storage = page_storage_dtype(dtype, on_cpu)
+    widths = _cache_widths(config)
+    cache = {stack: {name: jnp.zeros((size * num_pages, page_size, widths[name]),
+                                     _stored_dtype(name, storage)) for name in names}
+             for stack, (size, names) in _cache_stacks(config, mtp).items()}
+    linear = [stack for stack in layer_stacks(config) if stack.attention == "linear"]
+    if linear and state_slots < 1:
+        raise ValueError("a model with KDA (linear) layers keeps a recurrent state per sequence: pass "
+                         "state_slots >= 1 (the most sequences a step holds)")
+    for stack in linear:
+        cache[stack.name] = init_state_pool(linear_spec(config, ExecutionOptions()), len(stack.layers),
+                                            state_slots, storage)
+    return cache
 
 
 def paged_cache_bytes_per_page(config: ModelConfig, page_size: int, dtype=None, mtp: bool = False,
                                on_cpu: bool | None = None) -> int:
     """Bytes one page occupies across all layers (and the MTP layer's stack when mtp), stored
-    as `page_storage_dtype(dtype, on_cpu)`."""
-    itemsize = page_storage_dtype(dtype, on_cpu).itemsize
-    widths = {"latent": config.kv_lora_rank, "k_rope": config.qk_rope_head_dim,
-              "index_keys": config.index_head_dim}
+    as `page_storage_dtype(dtype, on_cpu)` (pooled DSA's gate logits in float32)."""
+    storage = page_storage_dtype(dtype, on_cpu)
+    widths = _cache_widths(config)
     stacks = _cache_stacks(config, mtp).values()
-    total = sum(size * sum(widths[name] for name in names) for size, names in stacks)
-    return total * page_size * itemsize
+    total = sum(size * sum(widths[name] * _stored_dtype(name, storage).itemsize for name in names)
+                for size, names in stacks)
+    return total * page_size
+
+
+def state_bytes_per_sequence(config: ModelConfig, dtype=None, on_cpu: bool | None = None) -> int:
+    """Bytes of KDA state one sequence holds across all KDA layers (0 without them): per layer
+    (K-1) x 3NH conv values in the pool's storage dtype and N x H x H float32; the same at any
+    length (docs/serving.md, "Hybrid models")."""
+    layers = sum(config.attention_types[i] == "linear" for i in range(config.num_layers))
+    itemsize = page_storage_dtype(dtype, on_cpu).itemsize
+    return layers * state_bytes_per_layer(linear_spec(config, ExecutionOptions()), itemsize)
 
 
 def serving_layout(config: ModelConfig, params, options: ExecutionOptions | None = None):
@@ -112,7 +158,7 @@ def serving_layout(config: ModelConfig, params, options: ExecutionOptions | None
     that path's matmul reads them in place instead of copying them every step."""
     options = options or ExecutionOptions()
     layout = dict(params)
-    for stack, size in _stack_sizes(config).items():
+    for stack, size in ((name, len(s.layers)) for name, s in _stacks(config).items()):
         if options.scan_unroll >= size and not isinstance(params[stack], tuple):
             layout[stack] = tuple(jax.tree.map(lambda a, i=i: _layer_of(a, i), params[stack])
                                   for i in range(size))
@@ -150,22 +196,25 @@ def _layer_of(weights, index: int):
     return jax.ShapeDtypeStruct(weights.shape[1:], weights.dtype, sharding=sharding)
 
 
-def _run_stack(config: ModelConfig, options: ExecutionOptions, geo, stack: str, stack_params, pools, x,
+def _run_stack(config: ModelConfig, options: ExecutionOptions, geo, stack: LayerStack, stack_params, pools, x,
                selections):
     """Runs one stack of layers over the step's tokens. stack_params: layer params with a
     leading [L] axis (scanned), or a tuple of L layers' params (run one by one, see
-    `serving_layout`); pools: the stack's flat cache {name: [L * P, page, F]}; x: [T, 1, D];
-    selections: per group [B, T, k] (IndexShare's previous selection). Returns (x, selections, pools)."""
-    ffn = "dense" if stack == "dense_layers" else "moe"
-    kinds = stack_kinds(config, _stack_layers(config, stack))
-    num_layers = kinds.run.shape[0]
+    `serving_layout`); pools: the stack's flat cache {name: [L * P, page, F]} (a KDA stack: its
+    state pool [L * slots, ...]); x: [T, 1, D] (or the streams [T, 1, W, D]); selections: per
+    group [B, T, k] (IndexShare's previous selection). Returns (x, selections, pools)."""
+    kinds = stack_kinds(config, stack.layers)
+    num_layers = len(stack.layers)
+    # Entries per layer in the stack's pools: pages, or (KDA) state slots.
+    per_layer = next(iter(pools.values())).shape[0] // num_layers
 
     def layer_step(carry, layer_inputs):
         x, previous, pools = carry
         layer, index, run_flag, sliding_flag = layer_inputs
-        keys = PagedKeys(geo, pools, offset=index * geo.num_pages, dropped=num_layers * geo.num_pages)
+        keys = PagedKeys(geo, pools, offset=index * per_layer, dropped=num_layers * per_layer)
         x, selected, keys, _ = decoder_layer(config, options, layer, x, keys,
-                                             kinds.layer(run_flag, sliding_flag), previous, ffn)
+                                             kinds.layer(run_flag, sliding_flag), previous, stack.ffn,
+                                             attention=stack.attention)
         return (x, selected, keys.pools), None
 
     if isinstance(stack_params, tuple):
@@ -180,9 +229,16 @@ def _run_stack(config: ModelConfig, options: ExecutionOptions, geo, stack: str, 
     return x, selections, pools
 
 
+def _page_stacks(cache) -> dict:
+    """The cache's page stacks (KDA stacks' state pools left out)."""
+    return {stack: pools for stack, pools in cache.items() if "latent" in pools}
+
+
 def _step_geometry(config: ModelConfig, cache, batch: StepBatch, block_pages: int):
-    page_size = next(iter(cache.values()))["latent"].shape[1]
-    return geometry(batch, page_size, paged_cache_num_pages(config, cache), config.index_topk, block_pages)
+    pages = _page_stacks(cache)
+    page_size = next(iter(pages.values()))["latent"].shape[1] if pages else 1
+    return geometry(batch, page_size, paged_cache_num_pages(config, cache), config.index_topk, block_pages,
+                    config.index_kpool, config.index_kpool_always_select_tail)
 
 
 def _logits(config: ModelConfig, params, hidden, dtype):
@@ -209,11 +265,15 @@ def paged_step(config: ModelConfig, params, cache, batch: StepBatch, sample_rows
     tokens = jnp.concatenate([batch.decode_tokens, batch.chunk_tokens.reshape(-1)])
     geo = _step_geometry(config, cache, batch, block_pages)
     x = params["embed"][tokens].astype(dtype)[:, None, :]  # [T, 1, D]: one query per flat token
+    if config.hc_mult:  # hyper-connections: every residual stream starts as the embedding
+        x = jnp.broadcast_to(x[:, :, None], x.shape[:2] + (config.hc_mult, x.shape[-1]))  # [T, 1, W, D]
     selections = no_selection(geo)
     new_cache = dict(cache)
-    for stack in _stack_sizes(config):
-        x, selections, new_cache[stack] = _run_stack(config, options, geo, stack, params[stack],
-                                                     cache[stack], x, selections)
+    for stack in layer_stacks(config):
+        x, selections, new_cache[stack.name] = _run_stack(config, options, geo, stack, params[stack.name],
+                                                          cache[stack.name], x, selections)
+    if config.hc_mult:
+        x = hyper_head(x)  # [T, 1, D]
     final_norm = params["final_norm"]["scale"]
     logits = _logits(config, params, rms_norm(x[sample_rows, 0], final_norm, config.rms_norm_eps), dtype)
     if with_hidden:
@@ -245,9 +305,11 @@ def paged_mtp_step(config: ModelConfig, params, cache, batch: StepBatch, hidden,
 
 
 def paged_cache_num_pages(config: ModelConfig, cache) -> int:
-    """P, the pages per layer of a pool made by `init_paged_cache`."""
-    stack = next(iter(cache))
-    return cache[stack]["latent"].shape[0] // _stack_sizes(config)[stack]
+    """P, the pages per layer of a pool made by `init_paged_cache` (1 without any page stack)."""
+    sizes = {name: len(stack.layers) for name, stack in _stacks(config).items()} | {"mtp": 1}
+    for stack, pools in _page_stacks(cache).items():
+        return pools["latent"].shape[0] // sizes[stack]
+    return 1
 
 
 def _layer_rows(pages, page, num_pages: int):
@@ -257,12 +319,14 @@ def _layer_rows(pages, page, num_pages: int):
 
 @functools.partial(jax.jit, static_argnames=("num_pages",))
 def read_page(cache, page, *, num_pages: int):
-    """One page of every layer: {stack: {name: [L, page, F]}} (for offload to host memory)."""
-    return jax.tree.map(lambda pages: pages[_layer_rows(pages, page, num_pages)], cache)
+    """One page of every layer: {stack: {name: [L, page, F]}} (for offload to host memory; KDA
+    stacks' state pools are not pages and are left out)."""
+    return jax.tree.map(lambda pages: pages[_layer_rows(pages, page, num_pages)], _page_stacks(cache))
 
 
 @functools.partial(jax.jit, static_argnames=("num_pages",), donate_argnames=("cache",))
 def write_page(cache, page, values, *, num_pages: int):
     """Stores `values` ({stack: {name: [L, page, F]}}, as from `read_page`) into page `page`."""
-    return jax.tree.map(lambda pages, one: pages.at[_layer_rows(pages, page, num_pages)].set(
-        one.astype(pages.dtype)), cache, values)
+    written = jax.tree.map(lambda pages, one: pages.at[_layer_rows(pages, page, num_pages)].set(
+        one.astype(pages.dtype)), _page_stacks(cache), values)
+    return {**cache, **written}

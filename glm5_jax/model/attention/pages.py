@@ -18,6 +18,13 @@ once per step, up to its real length:
   index keys block by block, keeping a running top-k (`streamed_topk`); attention then reads
   only the k selected latents per query. IndexShare "shared" layers reuse the previous selection.
 - Sliding-window layers read the last `sliding_window` positions of each query.
+- Pooled DSA (GLM-5.3-Flash, index_kpool > 0): the pages keep each token's indexer key and its
+  compression gate logits ("index_gate"); the sparse regime pools them block by block as it
+  streams (model/pooled_dsa.py's `pooled_index_keys`, blocks a multiple of kpool so no pool
+  straddles two), keeps a running top-k of index_topk // kpool pools and expands them to their
+  tokens, plus each query's own incomplete pool (always_select_tail).
+- KDA (linear) layers have no pages: `attend_linear` runs them on each row's recurrent state in
+  the state pool (attention/linear_pages.py), indexed by the row's state slot.
 
 `PagedKeys` writes a layer's new entries (`store`) and gives the backends what they read; the
 backends (reference.py, pallas.py) compute each group's context with `attend_over_pages`.
@@ -33,7 +40,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.model.attention import linear_pages
 from glm5_jax.model.dsa import index_head_weights, indexer_keys, indexer_queries
+from glm5_jax.model.pooled_dsa import pool_gate_logits, pooled_index_keys
 from glm5_jax.quant.matmul import head_inputs, head_outputs
 
 # A prefill chunk's indexer top-k streams up to this many blocks at once (see streamed_topk).
@@ -43,13 +52,17 @@ TOPK_CHUNK_BLOCKS = 16
 class StepBatch(NamedTuple):
     """The tokens of one step. decode_*: [Gd]; chunk_*: [Gc, Qc]; block_tables: [Gd + Gc, W]
     int32 (decode rows first; W a multiple of the step's block_pages; entries past a row's pages
-    are ignored). A row's pages must hold its positions before its first token in this step."""
+    are ignored). A row's pages must hold its positions before its first token in this step.
+    state_slots: [Gd + Gc] int32, each row's slot in the KDA state pool (models with linear
+    layers; a row without valid tokens writes nothing, whatever its slot); None: row i uses
+    slot i."""
 
     decode_tokens: jax.Array
     decode_positions: jax.Array
     chunk_tokens: jax.Array
     chunk_positions: jax.Array
     block_tables: jax.Array
+    state_slots: jax.Array | None = None
 
 
 class Group(NamedTuple):
@@ -88,14 +101,21 @@ class Geometry(NamedTuple):
     page_index: jax.Array  # [T]: the page (of layer 0) each token's cache entry goes to
     row: jax.Array  # [T]: its row in that page
     group_positions: tuple[jax.Array, ...]  # per group [B, T]
-    topk: int
+    topk: int  # the width of a selection's key list
     dense: jax.Array  # bool: every query has at most index_topk causal keys
     num_pages: int
     block_pages: int
+    state_slots: jax.Array  # [Gd + Gc]: each row's KDA state slot
+    kpool: int = 0  # pooled DSA: tokens per pool (0: per-token selection)
+    pools: int = 0  # pooled DSA: pools a query selects
+    tail: bool = False  # pooled DSA: the query's incomplete pool is always selected
 
 
-def geometry(batch: StepBatch, page_size: int, num_pages: int, index_topk: int, block_pages: int) -> Geometry:
-    """Where `batch`'s flat tokens sit in a pool of num_pages pages (per layer) of page_size rows."""
+def geometry(batch: StepBatch, page_size: int, num_pages: int, index_topk: int, block_pages: int,
+             kpool: int = 0, always_select_tail: bool = True) -> Geometry:
+    """Where `batch`'s flat tokens sit in a pool of num_pages pages (per layer) of page_size rows.
+    kpool, always_select_tail: pooled DSA's (IndexerSpec); the selection's key list is then
+    index_topk // kpool pools of kpool tokens, plus kpool - 1 tail positions with the tail."""
     positions = jnp.concatenate([batch.decode_positions, batch.chunk_positions.reshape(-1)])
     tables = batch.block_tables
     groups = row_groups(batch)
@@ -106,10 +126,21 @@ def geometry(batch: StepBatch, page_size: int, num_pages: int, index_topk: int, 
     table_row = jnp.concatenate([jnp.repeat(jnp.arange(g.rows) + g.table_start, g.q_len) for g in groups]) \
         if groups else jnp.zeros((0,), jnp.int32)
     page_index = tables[table_row, jnp.maximum(positions, 0) // page_size]
+    rows = tables.shape[0]
+    state_slots = jnp.arange(rows, dtype=jnp.int32) if batch.state_slots is None else batch.state_slots
+    table_positions = tables.shape[1] * page_size
+    topk, pools, tail = min(index_topk, table_positions), 0, False
+    if kpool:
+        if (block_pages * page_size) % kpool:
+            raise ValueError(f"pooled DSA over pages streams blocks of whole pools: page_size x block_pages "
+                             f"({page_size} x {block_pages}) must be a multiple of index_kpool ({kpool})")
+        pools, tail = min(index_topk, table_positions) // kpool, always_select_tail and kpool > 1
+        topk = pools * kpool + (kpool - 1 if tail else 0)
+    # Without the tail a query's incomplete pool is never selected: no step is dense.
+    dense = jnp.max(positions) < index_topk if not kpool or always_select_tail else jnp.asarray(False)
     return Geometry(groups, tables, positions, positions >= 0, page_index,
                     jnp.maximum(positions, 0) % page_size, tuple(split_group(positions, g) for g in groups),
-                    min(index_topk, tables.shape[1] * page_size), jnp.max(positions) < index_topk, num_pages,
-                    block_pages)
+                    topk, dense, num_pages, block_pages, state_slots, kpool, pools, tail)
 
 
 # ----------------------------------------------------------------------------- page access
@@ -135,7 +166,7 @@ def row_block(pages, tables, block, block_pages):
     with S = block_pages * page (positions block * S onwards)."""
     ids = jax.lax.dynamic_slice_in_dim(tables, block * block_pages, block_pages, axis=1)
     view = pages[ids]  # [B, block_pages, page, F]
-    return view.reshape(view.shape[0], -1, view.shape[-1])
+    return view.reshape(view.shape[0], block_pages * pages.shape[1], view.shape[-1])  # (F may be 0: NoPE)
 
 
 def num_blocks(query_positions, block_size: int):
@@ -151,26 +182,82 @@ def streamed_topk(index_queries, head_weights, key_pages, tables, query_position
     query_positions [B, T]. Returns key positions [B, T, k] int32 (-1 = fewer allowed keys than
     k). Ties go to the lower position, as `dsa.select_topk` (lax.top_k keeps the first index).
     """
-    rows, q_len, _, head_dim = index_queries.shape
+    queries = index_queries.astype(jnp.float32)
+
+    def block_scores(keys, key_positions):
+        keys = keys["keys"].astype(jnp.float32)  # [B, S, H]
+        return _index_scores(queries, head_weights, keys), key_positions
+
+    return _running_topk(block_scores, {"keys": key_pages}, tables, query_positions, topk, block_pages)
+
+
+def pooled_streamed_topk(index_queries, head_weights, key_pages, gate_pages, ape, tables, query_positions,
+                          geo: Geometry, dtype):
+    """Pooled DSA's selection over each row's pages (GLM-5.3-Flash; model/pooled_dsa.py).
+
+    The cached indexer keys and gate logits of each streamed block are pooled on the fly
+    (`pooled_index_keys` on the block: pools start at multiples of kpool, and a block is a whole
+    number of pools); a pool is a candidate when its last token is causal; a running top-k keeps
+    geo.pools pools. index_queries [B, T, M, H] (unrotated); head_weights [B, T, M] float32;
+    key_pages, gate_pages [P, page, H]; ape [kpool, H]; dtype: the compute dtype (keys are pooled
+    in it, as the reference pools its keys in theirs). Returns the key list [B, T, geo.topk]
+    int32 (-1 = none): each selected pool's kpool positions, then (geo.tail) the query's own
+    incomplete pool, as `pooled_dsa.pooled_selection_indices` lists them.
+    """
+    kpool, queries = geo.kpool, index_queries.astype(jnp.float32)
+
+    def block_scores(block, key_positions):
+        rows, size = block["keys"].shape[:2]
+        slots = jnp.broadcast_to(key_positions, (rows, size))
+        pool_keys, _ = pooled_index_keys(block["keys"].astype(dtype), block["gates"], ape, slots,
+                                         jnp.zeros_like(slots), kpool)
+        pool_keys = pool_keys[:, kpool - 1::kpool].astype(jnp.float32)  # [B, S / kpool, H]: the pools' ends
+        return _index_scores(queries, head_weights, pool_keys), key_positions[kpool - 1::kpool]
+
+    ends = _running_topk(block_scores, {"keys": key_pages, "gates": gate_pages}, tables, query_positions,
+                         geo.pools, geo.block_pages)  # [B, T, pools]
+    tokens = ends[..., None] - (kpool - 1) + jnp.arange(kpool, dtype=jnp.int32)  # [B, T, pools, kpool]
+    tokens = jnp.where(ends[..., None] >= 0, tokens, -1).reshape(ends.shape[:2] + (-1,))
+    if not geo.tail:
+        return tokens
+    count = ((query_positions + 1) % kpool)[..., None]  # [B, T, 1]: the tail's length
+    offsets = jnp.arange(kpool - 1, dtype=jnp.int32)
+    tail = jnp.where((offsets < count) & (query_positions[..., None] >= 0),
+                     query_positions[..., None] - count + 1 + offsets, -1)
+    return jnp.concatenate([tokens, tail], axis=-1)
+
+
+def _index_scores(queries, head_weights, keys):
+    """I = sum_m w_m ReLU(q_m . k / sqrt(H)): queries [B, T, M, H] float32, keys [B, S, H] float32
+    -> [B, T, S] float32 (dsa.combine_index_scores on precomputed head weights)."""
+    scores = jax.nn.relu(jnp.einsum("BTMH,BSH->BTMS", queries, keys) * queries.shape[-1] ** -0.5)
+    return jnp.einsum("BTM,BTMS->BTS", head_weights, scores)
+
+
+def _running_topk(block_scores, pages, tables, query_positions, topk: int, block_pages: int):
+    """A causal top-k over each row's pages, streamed block by block. block_scores(block
+    {name: [B, S, F]}, key_positions [S]) -> (scores [B, T, S'], candidate positions [S']), a
+    candidate allowed when its position <= the query's. Returns positions [B, T, topk] int32
+    (-1 = fewer allowed candidates); ties go to the lower position (lax.top_k keeps the first
+    index, and the running best holds earlier blocks)."""
+    rows, q_len = query_positions.shape
     # Blocks grow with the queries per row, up to TOPK_CHUNK_BLOCKS: a long prompt's chunks make
     # far fewer top-k merges, which dominate on a CPU (docs/benchmarks.md, "DSA top-k blocks").
     # Decode rows (q_len 1) keep block_pages, so their cost follows their length. Padded table
     # entries (page 0) lie past every query's position and are masked.
     block_pages *= min(q_len, TOPK_CHUNK_BLOCKS)
     tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % block_pages)))
-    block_size = block_pages * key_pages.shape[1]
-    queries = index_queries.astype(jnp.float32)
+    block_size = block_pages * next(iter(pages.values())).shape[1]
 
     def body(block, carry):
         best_scores, best_positions = carry
-        keys = row_block(key_pages, tables, block, block_pages).astype(jnp.float32)  # [B, S, H]
-        scores = jax.nn.relu(jnp.einsum("BTMH,BSH->BTMS", queries, keys) * head_dim**-0.5)
-        scores = jnp.einsum("BTM,BTMS->BTS", head_weights, scores)
         key_positions = block * block_size + jnp.arange(block_size, dtype=jnp.int32)
-        allowed = key_positions[None, None, :] <= query_positions[:, :, None]
+        view = {name: row_block(array, tables, block, block_pages) for name, array in pages.items()}
+        scores, positions = block_scores(view, key_positions)
+        allowed = positions[None, None, :] <= query_positions[:, :, None]
         scores = jnp.where(allowed, scores, -jnp.inf)
         candidates = jnp.concatenate([best_scores, scores], axis=-1)
-        positions = jnp.concatenate([best_positions, jnp.broadcast_to(key_positions, scores.shape)], axis=-1)
+        positions = jnp.concatenate([best_positions, jnp.broadcast_to(positions, scores.shape)], axis=-1)
         best_scores, chosen = jax.lax.top_k(candidates, topk)
         return best_scores, jnp.take_along_axis(positions, chosen, axis=-1)
 
@@ -195,12 +282,14 @@ def no_selection(geo: Geometry) -> tuple[jax.Array, ...]:
 
 
 class PagedKeys(NamedTuple):
-    """One layer's view of the step's page pool."""
+    """One layer's view of the step's page pool (or, for a KDA layer, of its state pool)."""
 
     geometry: Geometry
-    pools: dict[str, jax.Array]  # the layer's stack: {"latent", "k_rope"[, "index_keys"]: [L * P, page, F]}
-    offset: Any  # this layer's first page: layer index * P (an int, or traced under a scan)
-    dropped: int  # L * P: the index at which a (padding) write is dropped
+    # The layer's stack: {"latent", "k_rope"[, "index_keys"[, "index_gate"]]: [L * P, page, F]};
+    # a KDA stack's state pool {"conv", "recurrent": [L * slots, ...]} (attention/linear_pages.py).
+    pools: dict[str, jax.Array]
+    offset: Any  # this layer's first entry: layer index * P (or * slots); an int, or traced under a scan
+    dropped: int  # L * P (or L * slots): the index at which a (padding) write is dropped
 
     @property
     def positions(self) -> jax.Array:
@@ -212,7 +301,7 @@ class PagedKeys(NamedTuple):
     def backend_name(self, spec) -> str:
         return spec.decode_attention_impl
 
-    def no_selection(self, topk: int | None = None) -> tuple[jax.Array, ...]:
+    def no_selection(self, topk: int | None = None, pooled_width: int = 0) -> tuple[jax.Array, ...]:
         """The selection before the first DSA layer (`no_selection`; the step fixed k)."""
         return no_selection(self.geometry)
 
@@ -223,17 +312,26 @@ class PagedKeys(NamedTuple):
 
     def store(self, spec, weights, x, projected) -> PagedKeys:
         """Writes the new tokens' latent, rope key and (stacks with DSA layers) indexer key into
-        their pages. x: [T, 1, D] normalised; projected: mla.Projected of the flat tokens."""
+        their pages; pooled DSA also its compression gate logits, and its indexer keys unrotated.
+        x: [T, 1, D] normalised; projected: mla.Projected of the flat tokens."""
         geo, dtype = self.geometry, x.dtype
         write_index = jnp.where(geo.valid, geo.page_index + self.offset, self.dropped)
         pools = dict(self.pools)
         for name, values in (("latent", projected.latent), ("k_rope", projected.k_rope)):
             pools[name] = write_pages(pools[name], values[:, 0], write_index, geo.row, dtype)
         if "index_keys" in pools:
-            indexer = weights["indexer"]
-            keys = indexer_keys(x, projected.cos, projected.sin, indexer["wk"], indexer["k_norm_scale"],
-                                indexer["k_norm_bias"], spec.qk_rope_head_dim, spec.indexer.index_norm_eps)
+            indexer, rope_dim = weights["indexer"], spec.qk_rope_head_dim
+            cos, sin = projected.cos, projected.sin
+            if spec.indexer.kpool:  # pooled DSA's indexer has no RoPE
+                cos = sin = jnp.zeros(cos.shape[:-1] + (0,), cos.dtype)
+                rope_dim = 0
+            keys = indexer_keys(x, cos, sin, indexer["wk"], indexer["k_norm_scale"], indexer["k_norm_bias"],
+                                rope_dim, spec.indexer.index_norm_eps)
             pools["index_keys"] = write_pages(pools["index_keys"], keys[:, 0], write_index, geo.row, dtype)
+        if "index_gate" in pools:  # kept in float32, as the reference computes them
+            gates = pool_gate_logits(x, weights["indexer"]["compress_gate"])
+            pools["index_gate"] = write_pages(pools["index_gate"], gates[:, 0], write_index, geo.row,
+                                              jnp.float32)
         return self._replace(pools=pools)
 
     def attend(self, backend, spec, weights, x, projected, kinds, previous):
@@ -241,22 +339,54 @@ class PagedKeys(NamedTuple):
         keys = self.store(spec, weights, x, projected)
         return keys, backend.over_pages(spec, weights, x, projected, keys, kinds, previous)
 
+    def attend_linear(self, spec, weights, x):
+        """A KDA layer over the step's rows, each continuing from its state slot (module docs of
+        attention/linear_pages.py). x: [T, 1, D] normalised. Returns (out [T, 1, D], self with
+        the rows' new states written)."""
+        geo, pools = self.geometry, dict(self.pools)
+        qkv, g, beta = linear_pages.project(spec, weights, x)
+        conv = linear_pages.conv_weight(weights)
+        outs = []
+        for group, positions in zip(geo.groups, geo.group_positions, strict=True):
+            index = self.offset + geo.state_slots[group.table_start:group.table_start + group.rows]  # [B]
+            fresh = positions[:, 0] == 0  # a sequence's first token: the empty state
+            conv_state = jnp.where(fresh[:, None, None], 0, pools["conv"].at[index].get(mode="clip"))
+            recurrent = jnp.where(fresh[:, None, None, None], 0.0,
+                                  pools["recurrent"].at[index].get(mode="clip"))
+            inputs = (split_group(a, group) for a in (qkv, g, beta))
+            out, conv_state, recurrent = linear_pages.continue_rows(spec, conv, *inputs, positions,
+                                                                    conv_state.astype(x.dtype), recurrent)
+            write = jnp.where(jnp.any(positions >= 0, axis=1), index, self.dropped)
+            pools["conv"] = pools["conv"].at[write].set(conv_state.astype(pools["conv"].dtype), mode="drop")
+            pools["recurrent"] = pools["recurrent"].at[write].set(recurrent, mode="drop")
+            outs.append(out.reshape((-1,) + out.shape[2:]))
+        return linear_pages.output(spec, weights, x, jnp.concatenate(outs)), self._replace(pools=pools)
+
 
 def select_over_pages(spec, weights, x, projected, keys: PagedKeys, kinds, previous):
-    """The DSA selection of a layer over pages: the indexer's streamed top-k where the layer runs
-    it and the step is in the sparse regime, else `previous`. Per group [B, T, k] positions."""
+    """The DSA selection of a layer over pages: the indexer's streamed top-k (pooled DSA: its
+    pooled one) where the layer runs it and the step is in the sparse regime, else `previous`.
+    Per group [B, T, k] positions."""
     if kinds.sliding is True:  # a stack of sliding-window layers only: no indexer
         return previous
     geo, indexer = keys.geometry, weights["indexer"]
+    pooled = bool(spec.indexer.kpool)
+    rope_dim = 0 if pooled else spec.qk_rope_head_dim
 
     def run():
-        queries = indexer_queries(projected.q_latent, projected.cos, projected.sin, indexer["wq_b"],
-                                  spec.qk_rope_head_dim)[:, 0]  # [T, M, H]
+        cos, sin = projected.cos[..., :rope_dim // 2], projected.sin[..., :rope_dim // 2]
+        queries = indexer_queries(projected.q_latent, cos, sin, indexer["wq_b"], rope_dim)[:, 0]  # [T, M, H]
         head_weights = index_head_weights(x, indexer["weights_proj"])[:, 0]  # [T, M]
         pages = keys.pools["index_keys"]
+        rows = zip(geo.groups, keys.tables(), geo.group_positions, strict=True)
+        if pooled:
+            return tuple(pooled_streamed_topk(split_group(queries, g), split_group(head_weights, g), pages,
+                                              keys.pools["index_gate"], indexer["compress_ape"], t, q, geo,
+                                              x.dtype)
+                         for g, t, q in rows)
         return tuple(streamed_topk(split_group(queries, g), split_group(head_weights, g), pages, t, q,
                                    geo.topk, geo.block_pages)
-                     for g, t, q in zip(geo.groups, keys.tables(), geo.group_positions, strict=True))
+                     for g, t, q in rows)
 
     run_now = jnp.logical_and(kinds.run_indexer, jnp.logical_not(geo.dense))
     return jax.lax.cond(run_now, run, lambda: previous)

@@ -1,0 +1,201 @@
+"""The engine serves hybrid models (GLM-5.3-Flash, glm5_next: KDA linear layers, hyper-connections,
+pooled DSA): greedy output equals the argmax chain of `forward` with chunked prefill, concurrent
+sequences, preemption on a tiny page pool and prompts past index_topk (the pooled sparse
+regime); seeded sampling is the same with and without preemption; the KDA state per sequence
+does not grow with the context; prefix caching is off (and says why); MTP speculation is refused.
+
+One engine (one compilation) serves every test: 2 slots, 4-token pages, 16-token chunks."""
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+from reference import greedy_chain, perturbed_params
+from streams import run_together
+
+import glm5_jax
+from glm5_jax.engine.engine import HYBRID_NO_PREFIX_CACHING, Engine
+from glm5_jax.engine.types import SamplingParams
+from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.paged_decode import (
+    StepBatch,
+    init_paged_cache,
+    paged_cache_bytes_per_page,
+    paged_step,
+    serving_layout,
+    state_bytes_per_sequence,
+)
+
+# One xdist worker runs this module, so its engine is compiled once.
+pytestmark = pytest.mark.xdist_group("hybrid_engine")
+
+MAX_CONTEXT = 40
+PAGE = 4
+# tests/model/test_parity_next.py's TINY_NEXT: layers linear, linear, linear, dsa (index_topk 8,
+# pools of 2 with the tail), 2 hyper-connection streams, a SwiGLU clamp, NoPE.
+TINY_NEXT = dict(
+    vocab_size=64, hidden_size=32, dense_intermediate_size=48, moe_intermediate_size=16, num_layers=4,
+    num_dense_layers=1, num_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0,
+    v_head_dim=8, num_experts=4, num_experts_per_token=2, index_num_heads=2, index_head_dim=8, index_topk=8,
+    attention_types=["linear", "linear", "linear", "dsa"], linear_num_heads=2, linear_head_dim=8,
+    hc_mult=2, index_kpool=2, swiglu_limit=0.5, num_mtp_layers=0, pad_token_id=0, bos_token_id=None,
+    eos_token_ids=[1])
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = ModelConfig.from_dict(TINY_NEXT)
+    return config, perturbed_params(config, 5)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    config, params = model
+    # 12 pages of 4 positions: one sequence of up to 40 positions fits (10 pages), two long ones
+    # do not, so the later one is preempted and recomputed.
+    engine = Engine(config, params, None, max_slots=2, max_context=MAX_CONTEXT, page_size=PAGE, num_pages=12,
+                    token_budget=16, decode_steps=4, seed=0)
+    yield engine
+    engine.shutdown()
+
+
+def generate(engine, requests, with_logprobs: bool = False):
+    """[(prompt, SamplingParams)] submitted together -> each one's tokens (and log-probabilities)."""
+    outputs = [[(e.token_id, e.logprob) for e in events if e.token_id is not None]
+               for events in run_together(engine, requests)]
+    return [[pair if with_logprobs else pair[0] for pair in output] for output in outputs]
+
+
+def forward_logprobs(config, params, prompt, tokens) -> np.ndarray:
+    """log_softmax of `forward`'s logits at each generated token (one [1, MAX_CONTEXT] shape)."""
+    ids = np.zeros((1, MAX_CONTEXT), np.int32)
+    ids[0, :len(prompt) + len(tokens)] = prompt + tokens
+    logits = np.asarray(jax.nn.log_softmax(glm5_jax.forward(config, params, ids)[0], axis=-1))
+    return logits[np.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens)), tokens]
+
+
+def test_greedy_equals_forward_chunked_concurrent_preempted_sparse(model, engine):
+    config, params = model
+    rng = np.random.default_rng(1)
+    # 21 and 30 tokens: prefill in 16-token chunks, past index_topk 8 (pooled selection), and
+    # together more pages than the pool has; 3 and 1 tokens: short rows and a decode at position 0.
+    prompts = [rng.integers(2, config.vocab_size, n).tolist() for n in (21, 30, 3, 1)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    preemptions = engine.preemptions
+    outputs = generate(engine, [(prompt, greedy) for prompt in prompts], with_logprobs=True)
+    assert engine.preemptions > preemptions  # the tiny pool forced a recomputation
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens = [token for token, _ in output]
+        assert tokens == greedy_chain(config.replace(eos_token_ids=[]), params, prompt, 8, length=MAX_CONTEXT)
+        # Beyond the argmax: the served log-probabilities are forward's (a KDA state off by a
+        # padding token's write moves them by ~1e-3 without flipping a token).
+        np.testing.assert_allclose([lp for _, lp in output], forward_logprobs(config, params, prompt, tokens),
+                                   atol=2e-5)
+
+
+def test_step_rows_equal_forward_and_padding_rows_leave_states(model):
+    """The serving step itself, teacher-forced: two sequences in scrambled pages and state slots
+    (prefill chunks, decode rows, both in one step; the pooled sparse regime past 8 positions)
+    give forward's logits at every position, while every padding row (and each chunk row's
+    padding tail) names a live sequence's state slot: padding must leave states untouched."""
+    config, params = model
+    rng = np.random.default_rng(3)
+    sequences = [rng.integers(2, config.vocab_size, n).tolist() for n in (13, 7)]
+    chunk, rows, slots = (5, 1), 2, (3, 1)  # sequence 0: 5-token chunks; 1: one token per step
+    cache = init_paged_cache(config, 9, PAGE, state_slots=4)
+    tables = np.asarray([[7, 2, 5, 8], [4, 1, 6, 3]], np.int32)
+    layout = serving_layout(config, params)
+    got, done = [[], []], [0, 0]
+    while done != [len(s) for s in sequences]:
+        batch = StepBatch(np.zeros(rows, np.int32), np.full(rows, -1, np.int32),
+                          np.zeros((rows, 5), np.int32), np.full((rows, 5), -1, np.int32),
+                          np.zeros((2 * rows, 4), np.int32),
+                          np.full(2 * rows, slots[0], np.int32))  # padding rows: sequence 0's slot
+        owners = []
+        for s, sequence in enumerate(sequences):
+            count = min(chunk[s], len(sequence) - done[s])
+            if count == 0:
+                continue
+            start = done[s]
+            if count == 1:
+                row = rows - 1 - s  # decode rows in both orders over the steps
+                batch.decode_tokens[row], batch.decode_positions[row] = sequence[start], start
+                owners.append((s, [row]))
+            else:
+                row = rows + s
+                batch.chunk_tokens[s, :count] = sequence[start:start + count]
+                batch.chunk_positions[s, :count] = np.arange(start, start + count)
+                owners.append((s, [rows + s * 5 + i for i in range(count)]))
+            batch.block_tables[row], batch.state_slots[row] = tables[s], slots[s]
+            done[s] += count
+        logits, cache = paged_step(config, layout, cache, batch, np.arange(rows * 6), block_pages=2)
+        for s, flat in owners:
+            got[s].extend(np.asarray(logits)[flat])
+    ids = np.zeros((2, 16), np.int32)
+    for s, sequence in enumerate(sequences):
+        ids[s, :len(sequence)] = sequence
+    want = np.asarray(glm5_jax.forward(config, params, ids))
+    for s, sequence in enumerate(sequences):
+        np.testing.assert_allclose(np.stack(got[s]), want[s, :len(sequence)], atol=1e-4, rtol=1e-4)
+
+
+def test_seeded_sampling_same_with_and_without_preemption(model, engine):
+    config, _ = model
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(2, config.vocab_size, 18).tolist()
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    alone = generate(engine, [(prompt, sampled)])[0]
+    preemptions = engine.preemptions
+    other = rng.integers(2, config.vocab_size, 24).tolist()
+    # Admitted second, so it is the one preempted when the other one grows.
+    together = generate(engine, [(other, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)),
+                                 (prompt, sampled)])[1]
+    assert engine.preemptions > preemptions
+    assert together == alone and len(alone) == 12
+
+
+def test_state_per_sequence_does_not_grow_with_the_context(model, engine):
+    config, _ = model
+    states = {name: pools for name, pools in engine.runner.cache.items() if "recurrent" in pools}
+    assert set(states) == {"layers_0_to_0", "layers_1_to_2"}  # the KDA stacks: state, no pages
+    for name, pools in states.items():
+        layers = 2 if name == "layers_1_to_2" else 1
+        assert pools["conv"].shape == (layers * 2, 3, 48)  # [L * slots, K-1, 3NH]
+        assert pools["recurrent"].shape == (layers * 2, 2, 8, 8)  # [L * slots, N, H, H]
+    # Any context, any pool size: the same state shapes; only the pages grow.
+    short, long = (jax.eval_shape(lambda n=n: init_paged_cache(config, n, PAGE, state_slots=2))
+                   for n in (4, 4096))
+    for name in states:
+        assert jax.tree.map(lambda a: a.shape, short[name]) == jax.tree.map(lambda a: a.shape, long[name])
+    assert long["layers_3_to_3"]["latent"].shape[0] == 4096
+    # Per sequence: 3 layers x ((K-1) x 3NH conv values + N x H x H float32) bytes.
+    assert state_bytes_per_sequence(config) == 3 * (3 * 48 * 4 + 2 * 8 * 8 * 4)
+    # Per page of 4 tokens: the one MLA layer's latent, indexer key and gate logits.
+    assert paged_cache_bytes_per_page(config, PAGE) == 4 * (16 + 0 + 8 + 8) * 4
+
+
+def test_prefix_caching_off_and_no_speculation(model, engine):
+    config, params = model
+    assert engine.prefix_caching_off == HYBRID_NO_PREFIX_CACHING and not engine.scheduler.prefix_caching
+    prompt = list(range(2, 20))
+    first, again = generate(engine, [(prompt, SamplingParams(max_tokens=3, temperature=0.0))] * 2)
+    assert first == again
+    with pytest.raises(ValueError, match="hybrid"):
+        Engine(config, params, None, max_slots=1, max_context=MAX_CONTEXT, speculative_tokens=1)
+
+
+def test_streams_end_and_slots_free(engine):
+    async def cancel_early():
+        stream = engine.submit([5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        count = 0
+        async for event in stream:
+            count += 1
+            if count == 2:
+                stream.cancel()
+            last = event
+        return last, count
+
+    last, count = asyncio.run(cancel_early())
+    assert last.finish_reason == "abort" and count < 30
+    assert engine.active_requests == 0
