@@ -1,0 +1,89 @@
+"""serve.py on a hybrid checkpoint (GLM-5.3-Flash, glm5_next: KDA linear layers, hyper-connections,
+pooled DSA) saved by `glm5_jax.save_pretrained` with a tokenizer: the official `openai` client's
+greedy completion equals the argmax chain of `glm5_jax.forward`, streamed and not, past
+index_topk and across prefill chunks; the server says at start that prefix caching is off."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from processes import free_port, wait_healthy
+from reference import greedy_chain, perturbed_params
+
+import glm5_jax
+from glm5_jax.data import train_bpe_tokenizer
+from glm5_jax.engine.engine import HYBRID_NO_PREFIX_CACHING
+from glm5_jax.model.config import ModelConfig
+
+# One xdist worker runs this module, so its serve.py process is started once.
+pytestmark = pytest.mark.xdist_group("serve_next")
+
+ROOT = Path(__file__).resolve().parents[2]
+TEXT = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n    y: int = 0\n",
+        "for item in range(10):\n    print(item)\n", "import os\nprint(os.getcwd())\n"] * 20
+# tests/engine/test_hybrid_serving.py's tiny glm5_next model, with the tokenizer's vocabulary.
+TINY_NEXT = dict(
+    vocab_size=320, hidden_size=32, dense_intermediate_size=48, moe_intermediate_size=16, num_layers=4,
+    num_dense_layers=1, num_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0,
+    v_head_dim=8, num_experts=4, num_experts_per_token=2, index_num_heads=2, index_head_dim=8, index_topk=8,
+    attention_types=["linear", "linear", "linear", "dsa"], linear_num_heads=2, linear_head_dim=8,
+    hc_mult=2, index_kpool=2, swiglu_limit=0.5, num_mtp_layers=0, pad_token_id=0, bos_token_id=None,
+    eos_token_ids=[0])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("served_next")
+    tokenizer = train_bpe_tokenizer(TEXT, vocab_size=320)
+    config = ModelConfig.from_dict(TINY_NEXT)
+    params = perturbed_params(config, 11)
+    glm5_jax.save_pretrained(config, params, directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory, config, params, tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    directory = checkpoint[0]
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    port = free_port()
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "serve.py", "--checkpoint", str(directory), "--port", str(port),
+             "--max-slots", "2", "--max-context", "48", "--page-size", "4", "--token-budget", "16",
+             "--decode-steps", "4"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", (process,), timeout=300)
+        yield port, directory.name, log
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def test_completions_equal_forward_streamed_and_not(server, checkpoint):
+    port, model_id, log = server
+    _, config, params, tokenizer = checkpoint
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    # Past index_topk 8 and more than one 16-token prefill chunk.
+    prompt = "class Point:\n    x: int = 0\n    y: int = 0\nfor item in range(10):"
+    ids = tokenizer.encode(prompt).ids
+    assert len(ids) > 16
+    expected = greedy_chain(config, params, ids, 10, length=48)
+    expected_text = tokenizer.decode([t for t in expected if t not in config.eos_token_ids])
+    response = client.completions.create(model=model_id, prompt=prompt, max_tokens=10, temperature=0)
+    assert response.choices[0].text == expected_text
+    assert response.usage.completion_tokens == len(expected)
+    assert response.usage.prompt_tokens_details.cached_tokens == 0  # no prefix caching
+    streamed = client.completions.create(model=model_id, prompt=prompt, max_tokens=10, temperature=0,
+                                         stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected_text
+    # Two at once (both slots), sampled with a seed: answered, and the same text twice.
+    sampled = [client.completions.create(model=model_id, prompt=["def add(a, b):", "import os"], max_tokens=6,
+                                         temperature=1.0, seed=3) for _ in range(2)]
+    assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
+    assert HYBRID_NO_PREFIX_CACHING in log.read_text()  # said at start
+    assert httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok"
