@@ -18,6 +18,7 @@ import glm5_jax
 from glm5_jax.engine.engine import HYBRID_NO_PREFIX_CACHING, Engine
 from glm5_jax.engine.types import SamplingParams
 from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.paged_decode import (
     StepBatch,
     init_paged_cache,
@@ -94,12 +95,16 @@ def test_greedy_equals_forward_chunked_concurrent_preempted_sparse(model, engine
                                    atol=2e-5)
 
 
-def test_step_rows_equal_forward_and_padding_rows_leave_states(model):
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_step_rows_equal_forward_and_padding_rows_leave_states(model, impl):
     """The serving step itself, teacher-forced: two sequences in scrambled pages and state slots
     (prefill chunks, decode rows, both in one step; the pooled sparse regime past 8 positions)
     give forward's logits at every position, while every padding row (and each chunk row's
-    padding tail) names a live sequence's state slot: padding must leave states untouched."""
+    padding tail) names a live sequence's state slot: padding must leave states untouched.
+    "pallas": the ragged paged-attention kernel (interpreted on a CPU) on NoPE latents and
+    pooled key lists."""
     config, params = model
+    options = ExecutionOptions(decode_attention_impl=impl)
     rng = np.random.default_rng(3)
     sequences = [rng.integers(2, config.vocab_size, n).tolist() for n in (13, 7)]
     chunk, rows, slots = (5, 1), 2, (3, 1)  # sequence 0: 5-token chunks; 1: one token per step
@@ -129,7 +134,8 @@ def test_step_rows_equal_forward_and_padding_rows_leave_states(model):
                 owners.append((s, [rows + s * 5 + i for i in range(count)]))
             batch.block_tables[row], batch.state_slots[row] = tables[s], slots[s]
             done[s] += count
-        logits, cache = paged_step(config, layout, cache, batch, np.arange(rows * 6), block_pages=2)
+        logits, cache = paged_step(config, layout, cache, batch, np.arange(rows * 6), options=options,
+                                   block_pages=2)
         for s, flat in owners:
             got[s].extend(np.asarray(logits)[flat])
     ids = np.zeros((2, 16), np.int32)

@@ -93,8 +93,12 @@ def ragged_context(q_absorbed, q_rope, pools, tables, query_positions, key_posit
 
     rows, q_len = query_positions.shape
     flat = lambda a: a.reshape((rows * q_len,) + a.shape[2:])  # noqa: E731
+    rope_pages = pools["k_rope"]
+    if rope_pages.shape[-1] == 0:  # NoPE (GLM-5.3-Flash): the kernel's blocks need a rope part; zeros add 0
+        q_rope = jnp.zeros(q_rope.shape[:-1] + (1,), q_rope.dtype)
+        rope_pages = jnp.zeros(rope_pages.shape[:-1] + (1,), rope_pages.dtype)
     context = ragged_paged_mla_attention(
-        flat(q_absorbed), flat(q_rope), pools["latent"], pools["k_rope"], tables,
+        flat(q_absorbed), flat(q_rope), pools["latent"], rope_pages, tables,
         jnp.arange(rows, dtype=jnp.int32) * q_len, jnp.sum(query_positions >= 0, axis=1).astype(jnp.int32),
         flat(query_positions), scale=scale, max_row_len=q_len,
         topk_positions=None if key_positions is None else flat(key_positions))
