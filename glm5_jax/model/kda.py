@@ -190,11 +190,12 @@ def linear_attention_weights(spec: LinearAttentionSpec, param_dtype) -> WeightTa
     }
 
 
-def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = None, starts=None):
+def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = None, starts=None, lengths=None):
     """Depthwise causal convolution then SiLU. x: [B, T, C]; weight: [C, K] (tap K-1 on the
     current position); state: [B, K-1, C] the previous positions (None: zeros); starts: bool
-    [B, T] or None: a document begins at t, so no earlier input reaches it. Returns (out
-    [B, T, C] in x's dtype, the new state [B, K-1, C]: the last K-1 inputs)."""
+    [B, T] or None: a document begins at t, so no earlier input reaches it; lengths: [B] or None:
+    each row's valid inputs (the rest padding). Returns (out [B, T, C] in x's dtype, the new state
+    [B, K-1, C]: the last K-1 (valid) inputs)."""
     taps = weight.shape[-1]
     if state is None:
         state = jnp.zeros(x.shape[:1] + (taps - 1,) + x.shape[2:], x.dtype)
@@ -208,7 +209,10 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = Non
         same = lambda j: (document[:, j:j + length] == document[:, taps - 1:])[..., None]  # noqa: E731
     out = sum(padded[:, j:j + length].astype(jnp.float32) * weight[:, j].astype(jnp.float32) * same(j)
               for j in range(taps))
-    return jax.nn.silu(out).astype(x.dtype), padded[:, length:]
+    if lengths is None:
+        return jax.nn.silu(out).astype(x.dtype), padded[:, length:]
+    window = lengths[:, None] + jnp.arange(taps - 1)  # inputs lengths .. lengths + K-2 of `padded`
+    return jax.nn.silu(out).astype(x.dtype), jnp.take_along_axis(padded, window[..., None], axis=1)
 
 
 def forget_gate(spec: LinearAttentionSpec, weights, x: jax.Array) -> jax.Array:
@@ -238,27 +242,34 @@ class LinearState(NamedTuple):
 
 
 def linear_attention(spec: LinearAttentionSpec, weights, x: jax.Array, state: LinearState | None = None,
-                     starts: jax.Array | None = None):
+                     starts: jax.Array | None = None, valid: jax.Array | None = None):
     """One KDA layer. x: [B, T, D] (normalised); state: the sequence so far (None: a new one);
-    starts: bool [B, T] or None: packed documents, each beginning from an empty state.
-    Returns (out [B, T, D], the state after these positions). One position with a state decodes
-    by the recurrence; anything else runs chunked (chunked prefill continues from `state`)."""
+    starts: bool [B, T] or None: packed documents, each beginning from an empty state; valid:
+    bool [B, T] or None: each row's tokens, then padding (a serving step's rows), which leaves the
+    state as it was: no decay, no write, the conv window after the last valid input.
+    Returns (out [B, T, D] (padding's is garbage), the state after these positions). One position
+    with a state decodes by the recurrence; anything else runs chunked (chunked prefill continues
+    from `state`)."""
     batch, length, _ = x.shape
     heads, head = spec.num_heads, spec.head_dim
     qkv = jnp.concatenate([dense(x, weights[name]) for name in ("q_proj", "k_proj", "v_proj")], -1)
     conv = jnp.concatenate([weights[f"{name}_conv1d"] for name in "qkv"], axis=0)  # [3 N H, K]
-    qkv, conv_state = causal_conv1d(qkv, conv, None if state is None else state.conv, starts)
+    lengths = None if valid is None else jnp.sum(valid, axis=1)
+    qkv, conv_state = causal_conv1d(qkv, conv, None if state is None else state.conv, starts, lengths)
     query, key, value = (part.reshape(batch, length, heads, head) for part in jnp.split(qkv, 3, axis=-1))
     g = forget_gate(spec, weights["forget_gate"], x)
     beta = jax.nn.sigmoid(dense(x, weights["b_proj"]).astype(jnp.float32))
+    if valid is not None:
+        g = jnp.where(valid[..., None, None], g, 0.0)
+        beta = jnp.where(valid[..., None], beta, 0.0)
     recurrent = None if state is None else state.recurrent
     if state is not None and length == 1:
         out, recurrent = kda_recurrent(query, key, value, g, beta, recurrent, use_qk_l2norm=True,
                                        starts=starts)
     else:
         chunked = kda_chunked if spec.impl == "reference" else kda_chunked_pallas
-        out, recurrent = chunked(query, key, value, g, beta, recurrent, spec.chunk_size, use_qk_l2norm=True,
-                                 starts=starts)
+        out, recurrent = chunked(query, key, value, g, beta, recurrent, min(spec.chunk_size, length),
+                                 use_qk_l2norm=True, starts=starts)
     gate = dense(dense(x, weights["g_a_proj"]), weights["g_b_proj"])
     gate = gate.reshape(batch, length, heads, head)
     out = gated_rms_norm(out, gate, weights["o_norm"]["scale"], spec.norm_eps)

@@ -40,8 +40,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.model.attention import linear_pages
 from glm5_jax.model.dsa import index_head_weights, indexer_keys, indexer_queries
+from glm5_jax.model.kda import LinearState, linear_attention
 from glm5_jax.model.pooled_dsa import pool_gate_logits, pooled_index_keys
 from glm5_jax.quant.matmul import head_inputs, head_outputs
 
@@ -344,8 +344,6 @@ class PagedKeys(NamedTuple):
         attention/linear_pages.py). x: [T, 1, D] normalised. Returns (out [T, 1, D], self with
         the rows' new states written)."""
         geo, pools = self.geometry, dict(self.pools)
-        qkv, g, beta = linear_pages.project(spec, weights, x)
-        conv = linear_pages.conv_weight(weights)
         outs = []
         for group, positions in zip(geo.groups, geo.group_positions, strict=True):
             index = self.offset + geo.state_slots[group.table_start:group.table_start + group.rows]  # [B]
@@ -353,14 +351,14 @@ class PagedKeys(NamedTuple):
             conv_state = jnp.where(fresh[:, None, None], 0, pools["conv"].at[index].get(mode="clip"))
             recurrent = jnp.where(fresh[:, None, None, None], 0.0,
                                   pools["recurrent"].at[index].get(mode="clip"))
-            inputs = (split_group(a, group) for a in (qkv, g, beta))
-            out, conv_state, recurrent = linear_pages.continue_rows(spec, conv, *inputs, positions,
-                                                                    conv_state.astype(x.dtype), recurrent)
+            state = LinearState(conv_state.astype(x.dtype), recurrent)
+            out, state = linear_attention(spec, weights, split_group(x[:, 0], group), state,
+                                          valid=positions >= 0)
             write = jnp.where(jnp.any(positions >= 0, axis=1), index, self.dropped)
-            pools["conv"] = pools["conv"].at[write].set(conv_state.astype(pools["conv"].dtype), mode="drop")
-            pools["recurrent"] = pools["recurrent"].at[write].set(recurrent, mode="drop")
-            outs.append(out.reshape((-1,) + out.shape[2:]))
-        return linear_pages.output(spec, weights, x, jnp.concatenate(outs)), self._replace(pools=pools)
+            pools["conv"] = pools["conv"].at[write].set(state.conv.astype(pools["conv"].dtype), mode="drop")
+            pools["recurrent"] = pools["recurrent"].at[write].set(state.recurrent, mode="drop")
+            outs.append(out.reshape((-1, 1) + out.shape[2:]))
+        return jnp.concatenate(outs), self._replace(pools=pools)
 
 
 def select_over_pages(spec, weights, x, projected, keys: PagedKeys, kinds, previous):
