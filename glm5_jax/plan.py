@@ -345,6 +345,7 @@ def _plan_serve(args, config, options, mesh, rules):
         paged_cache_bytes_per_page,
         paged_step,
         serving_layout,
+        state_bytes_per_sequence,
     )
     from glm5_jax.model.transformer import param_logical_axes, param_shapes
     from glm5_jax.parallel import collectives, sharding
@@ -365,8 +366,9 @@ def _plan_serve(args, config, options, mesh, rules):
                              params, params_sharding)
     params_in = serving_layout(config, params_in, options)  # as the engine's runner holds them
     # The plan is for accelerators (on fake CPU devices): their pools keep the compute dtype.
+    hybrid = "linear" in config.attention_types  # KDA layers: a state pool of one slot per sequence
     cache = jax.eval_shape(lambda: init_paged_cache(config, num_pages, page_size, options.compute_dtype,
-                                                    on_cpu=False))
+                                                    on_cpu=False, state_slots=batch_rows if hybrid else 0))
     whole = sharding.replicated(mesh)
     cache_shardings = jax.tree.map(lambda leaf: whole, cache)  # every device's heads read the latent
     cache_in = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=whole), cache)
@@ -385,7 +387,16 @@ def _plan_serve(args, config, options, mesh, rules):
     weights = f"weights ({args.quantize or options.param_dtype})"
     lines = [f"paged decode step: {batch_rows} sequences x 1 new token, {args.context} cached positions each "
              f"({num_pages} pages of {page_size}; {per_token / 1024:.1f} KiB per token, replicated)"]
-    lines += _memory_lines(compiled, {weights: params_bytes, "latent page pool": cache_bytes})
+    parts = {weights: params_bytes, "latent page pool": cache_bytes}
+    if hybrid:
+        state = state_bytes_per_sequence(config, options.compute_dtype, on_cpu=False)
+        parts = {weights: params_bytes, "latent page pool": cache_bytes - batch_rows * state,
+                 "KDA state pool": batch_rows * state}
+        lines.append(f"KDA state: {state / 2**20:.1f} MiB per sequence at any length "
+                     f"(= {state / per_token:,.0f} tokens of pages); of a sequence's cache: " + ", ".join(
+                         f"{state / (state + per_token * length):.1%} at {length // 1024}K"
+                         for length in (131072, 1048576)))
+    lines += _memory_lines(compiled, parts)
     lines += ["", "largest parameters per device:"]
     for size, name, shape, dtype, spec in _largest(params, params_sharding, args.top):
         lines.append(f"  {_fmt(size)}  {name} {tuple(shape)} {dtype.name} -> {spec}")
