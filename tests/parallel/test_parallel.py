@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # covers dropless expert parallelism here.
 MESHES = ["data=8", "fsdp=2,tensor=2,expert=2", "pipeline=2,data=2,expert=2", "pipeline=4,fsdp=2"]
 VARIANTS = ["data=2,expert=4@cf=1", "fsdp=2,tensor=2,expert=2@step", "data=2,expert=4@ragged",
-            "fsdp=2,tensor=2,expert=2@pallas"]
+            "fsdp=2,tensor=2,expert=2@pallas", "fsdp=2,tensor=2,expert=2@hybrid"]
 RTOL = 1e-5
 
 
@@ -81,6 +81,17 @@ def test_pallas_kernels_run_per_device_and_match(results):
 
 
 @MESH_CHECKS
+@MESH_CHECKS
+def test_hybrid_model_shards_and_matches(results):
+    """GLM-5.3-Flash's layers on fsdp x tensor x expert: loss and gradients equal one device; KDA
+    projections split their heads over `tensor` (and their input over `fsdp`), the
+    hyper-connections' mixing weights over `fsdp` only (the few streams stay whole)."""
+    result = results[("fsdp=2,tensor=2,expert=2", "hybrid")]
+    assert result["loss_rel"] < RTOL and result["grad_rel"] < 1e-4, result
+    assert "tensor" in result["q_proj_spec"] and "tensor" in result["o_proj_spec"], result
+    assert "tensor" not in result["hc_fn_spec"], result
+
+
 def test_ragged_dispatch_lowers_to_ragged_all_to_all(results):
     # Forward: tokens out and results back (rows + expert ids each way); backward: the transposes.
     assert results[("data=2,expert=4", "ragged")]["ragged_all_to_all"] >= 4
