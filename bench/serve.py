@@ -4,12 +4,16 @@ and 32 clients, cold time to first token of a long prompt, and how decode speed 
 
     python bench/serve.py                      # the issue's workload, ~6 min on a 2-core CPU
     python bench/serve.py --quick              # smaller, ~4 min
+    python bench/serve.py --config configs/glm5_next_demo.py --clients 4 --contexts  # GLM-5.3-Flash
 
 A demo-size GLM-5 checkpoint (configs/demo.py's architecture, random weights, a BPE tokenizer
 trained on the standard library) is written to a temporary directory, unless --checkpoint is
-given. Ours: `python serve.py --checkpoint DIR --max-slots 32 --max-context 2304` in a
-subprocess, each client streaming through the official `openai` client (token-id prompts, greedy,
-ignore_eos); tok/s = generated tokens / wall time of the whole round, prefill included.
+given; --config names another architecture, e.g. configs/glm5_next_demo.py (a glm5_next hybrid:
+transformers' Glm5NextForConditionalGeneration loads it with a tiny vision tower, as
+tests/checkpoint/test_checkpoint_next.py does; serve.py turns prefix caching off for it).
+Ours: `python serve.py --checkpoint DIR --max-slots 32 --max-context 2304` in a subprocess,
+each client streaming through the official `openai` client (token-id prompts, greedy, ignore_eos);
+tok/s = generated tokens / wall time of the whole round, prefill included.
 transformers 5.24: `generate` with the same batch, prompt and token count (greedy, min_new_tokens
 = max_new_tokens); its TTFT reference is one forward of the long prompt. glm5_jax.forward of the
 same prompt (jitted, compiled first) is timed too, and the engine in this process (no HTTP) on the
@@ -49,13 +53,13 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def make_checkpoint(directory: Path) -> None:
+def make_checkpoint(directory: Path, config_file: str) -> None:
     import glm5_jax
     from glm5_jax.config_files import load_model_config
     from glm5_jax.data.sources import SourceSpec, load_documents
     from glm5_jax.data.tokenizer import train_bpe_tokenizer
 
-    config = load_model_config(ROOT / "configs/demo.py")
+    config = load_model_config(ROOT / config_file)
     texts = [doc.text for doc in load_documents(SourceSpec())[:400]]
     tokenizer = train_bpe_tokenizer(texts, vocab_size=config.vocab_size)
     params = glm5_jax.init_params(config, 0)
@@ -301,15 +305,30 @@ def measure_engine_alone(checkpoint: Path, reference: Reference, args, rng, voca
 
 
 class Reference:
-    """transformers' GlmMoeDsaForCausalLM on the checkpoint: `generate` tok/s and one forward of a
-    long prompt (its TTFT)."""
+    """transformers on the checkpoint (GlmMoeDsaForCausalLM, or Glm5NextForConditionalGeneration
+    for a glm5_next one): `generate` tok/s and one forward of a long prompt (its TTFT)."""
 
     def __init__(self, checkpoint: Path, args, rng, vocab):
         import torch
-        from transformers import GlmMoeDsaForCausalLM
 
         self.torch, self.args, self.rng, self.vocab = torch, args, rng, vocab
-        self.model = GlmMoeDsaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        hf_config = json.loads((checkpoint / "config.json").read_text())
+        if hf_config["model_type"] == "glm5_next":
+            from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+            # Our config.json names no vision tower (transformers would build its default one): a
+            # tiny one, unused by text-only inputs; every text tensor comes from the checkpoint.
+            text = hf_config["text_config"]
+            vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
+                          out_hidden_size=text["hidden_size"], projection_intermediate_size=32)
+            self.model = Glm5NextForConditionalGeneration.from_pretrained(
+                checkpoint, config=Glm5NextConfig(text_config=text, vision_config=vision),
+                dtype=torch.float32)
+        else:
+            from transformers import GlmMoeDsaForCausalLM
+
+            self.model = GlmMoeDsaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        self.model.eval()
 
     def generate(self, batch: int) -> float:
         """tok/s of `generate` over `batch` prompts (greedy, exactly max_tokens new tokens each)."""
@@ -353,7 +372,10 @@ def jax_forward_timer(checkpoint: Path, args, rng, vocab):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=None,
-                        help="HF checkpoint directory (default: a fresh demo-size one)")
+                        help="HF checkpoint directory (default: a fresh one of --config)")
+    parser.add_argument("--config", default="configs/demo.py",
+                        help="architecture of the fresh checkpoint (random weights), e.g. "
+                             "configs/glm5_next_demo.py for a GLM-5.3-Flash hybrid")
     parser.add_argument("--max-slots", type=int, default=32)
     parser.add_argument("--max-context", type=int, default=2304)
     parser.add_argument("--contexts", type=int, nargs="*", default=[512, 16384],
@@ -384,9 +406,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         checkpoint = Path(args.checkpoint) if args.checkpoint else Path(scratch)
         if not args.checkpoint:
-            log("writing a demo-size checkpoint")
-            make_checkpoint(checkpoint)
-        vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+            log(f"writing a {args.config} checkpoint")
+            make_checkpoint(checkpoint, args.config)
+        hf_config = json.loads((checkpoint / "config.json").read_text())
+        vocab = hf_config.get("text_config", hf_config)["vocab_size"]  # glm5_next: its text config's
         reference = Reference(checkpoint, args, rng, vocab)
         jax_forward = jax_forward_timer(checkpoint, args, rng, vocab)
         server = Server(checkpoint, args.max_context, args)
@@ -410,7 +433,8 @@ def main() -> None:
     import torch
 
     flags = " ".join(args.serve_args)
-    print(f"\nserve.py --max-slots {args.max_slots} --max-context {args.max_context} {flags}; "
+    print(f"\n{hf_config['model_type']} ({args.checkpoint or args.config}); serve.py --max-slots "
+          f"{args.max_slots} --max-context {args.max_context} {flags}; "
           f"prompt {args.prompt_tokens} tokens, {args.max_tokens} new; median of {args.rounds}; "
           f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs\n")
     print("| workload | serve.py | transformers | ratio | target |")
