@@ -94,6 +94,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="reuse cached pages of earlier prompts with the same prefix (default: on)")
     parser.add_argument("--noprefix-caching", dest="prefix_caching", action="store_false",
                         help="same as --no-prefix-caching")
+    parser.add_argument("--state-snapshots", type=int, default=None, metavar="N",
+                        help="hybrid (glm5_next) models: device slots for the KDA state snapshots that "
+                             "prefix caching keeps at cached page boundaries, each the size of one "
+                             "sequence's KDA state (docs/serving.md, \"Hybrid models\"; default: "
+                             "--max-slots; 0 = prefix caching off for them); ignored for other models")
     parser.add_argument("--host-cache-pages", type=int, default=0,
                         help="host-memory pages that evicted prefix pages are offloaded to (default: 0, "
                              "no offload)")
@@ -298,6 +303,7 @@ def main(argv=None) -> int:
     from glm5_jax.chat.template import load_chat_template, load_special_tokens
     from glm5_jax.engine.engine import Engine, warm_up
     from glm5_jax.model.config import ConfigError
+    from glm5_jax.model.paged_decode import state_bytes_per_sequence
     from glm5_jax.parallel.mesh import MeshError
     from glm5_jax.train.runs import RunNotFoundError, checkpoint_options, load_any
 
@@ -338,7 +344,7 @@ def main(argv=None) -> int:
                     prefix_caching=args.prefix_caching, host_cache_pages=args.host_cache_pages,
                     max_waiting=args.max_waiting or None, decode_steps=args.decode_steps, observer=metrics,
                     options=options, mesh=placed.get("mesh"), speculative_tokens=args.speculative_tokens,
-                    **runner)
+                    state_snapshots=args.state_snapshots, **runner)
     del params  # the engine holds what it serves (per-layer arrays when unrolled): free the loaded stacks
     app = create_app(engine, model_id, api_key=args.api_key, chat_template=load_chat_template(checkpoint),
                      special_tokens=load_special_tokens(checkpoint), server_config=server_config,
@@ -359,6 +365,9 @@ def main(argv=None) -> int:
           flush=True)
     if engine.prefix_caching_off:
         print(engine.prefix_caching_off, flush=True)
+    elif engine.state_snapshots:
+        print(f"prefix caching with {engine.state_snapshots} KDA state snapshots of "
+              f"{state_bytes_per_sequence(config, options.compute_dtype) / 2**20:.1f} MiB", flush=True)
     if template_defaults:
         print(f"chat requests start from chat_template_kwargs {json.dumps(template_defaults)} "
               "(--default-chat-template-kwargs)", flush=True)

@@ -25,7 +25,12 @@ A preempted request keeps its sampler state (key, token counts) and resumes exac
 Hybrid models (KDA linear layers): each running sequence's recurrent state lives in the runner's
 state pool at the sequence's slot; a sequence's first step (position 0) starts it empty, chunked
 prefill carries it across steps, and a preempted sequence is recomputed from its first token, so
-its state is rebuilt with its pages. Prefix caching is off for them (HYBRID_NO_PREFIX_CACHING).
+its state is rebuilt with its pages. Prefix caching keeps state snapshots for them: after a
+mixed step, a sequence whose computed tokens end a cached page has its slot's KDA state copied
+into a snapshot slot keyed by that page (`Scheduler.snapshot_wanted`, `ModelRunner.save_state`);
+a prefix hit ends at a page with a snapshot, which is copied into the new sequence's slot at
+admission (`restore_state`), and prefill resumes after the hit. With no snapshot slots
+(state_snapshots 0) prefix caching is off for them (HYBRID_NO_PREFIX_CACHING).
 With `speculative_tokens` N > 0 a decode call whose rows are all eligible runs speculative rounds
 (`glm5_jax.engine.speculative`) and may emit up to N + 1 tokens per row and round; the rest of the
 engine is unchanged (a token is a token, whichever program produced it).
@@ -48,7 +53,7 @@ import tokenizers
 from glm5_jax.engine.batches import allowed_bits, decode_inputs, mixed_inputs
 from glm5_jax.engine.grammar import ConstrainedOutput, GrammarCompiler
 from glm5_jax.engine.observer import EngineObserver
-from glm5_jax.engine.paged_cache import PageAllocator
+from glm5_jax.engine.paged_cache import PageAllocator, StateSnapshots
 from glm5_jax.engine.runner import DecodeCall, ModelRunner, Sampled, is_hybrid
 from glm5_jax.engine.scheduler import (
     DecodePlan,
@@ -75,9 +80,9 @@ _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 DEFAULT_DECODE_STEPS = 8
 # Why a hybrid model serves without prefix caching (docs/serving.md, "Hybrid models").
 HYBRID_NO_PREFIX_CACHING = (
-    "prefix caching is off for this hybrid (KDA linear-attention) model: cached pages hold the MLA "
-    "layers' latents of a prefix but not the KDA layers' recurrent state after it, so a prefix hit "
-    "could not resume the sequence")
+    "prefix caching is off for this hybrid (KDA linear-attention) model: it has no state snapshots "
+    "(state_snapshots 0), and cached pages hold the MLA layers' latents of a prefix but not the KDA "
+    "layers' recurrent state after it, so a prefix hit could not resume the sequence")
 
 
 class RequestStream:
@@ -163,7 +168,9 @@ class Engine:
     """Serves one model. Thread-safe `submit`; call it from the asyncio event loop. mesh: a
     `jax.sharding.Mesh` to serve on (see ModelRunner), None for one device. runner_factory: what
     builds the runner from ModelRunner's arguments (multi-process serving passes
-    multihost.mirrored_runner_factory)."""
+    multihost.mirrored_runner_factory). state_snapshots: a hybrid model's KDA state snapshots for
+    prefix caching (each state_bytes_per_sequence bytes on the device; None = max_slots; 0 =
+    prefix caching off for it); ignored for other models."""
 
     def __init__(self, config: ModelConfig, params, tokenizer: tokenizers.Tokenizer | None, *,
                  max_slots: int = 8, max_context: int = 1024, seed: int | None = None, page_size: int = 16,
@@ -171,7 +178,8 @@ class Engine:
                  host_cache_pages: int = 0, observer: EngineObserver | None = None,
                  max_waiting: int | None = None, decode_steps: int = DEFAULT_DECODE_STEPS, options=None,
                  block_positions: int = DEFAULT_BLOCK_POSITIONS, max_consecutive_failures: int = 3,
-                 mesh=None, speculative_tokens: int = 0, runner_factory=ModelRunner):
+                 mesh=None, speculative_tokens: int = 0, runner_factory=ModelRunner,
+                 state_snapshots: int | None = None):
         if max_slots < 1 or max_context < 2:
             raise ValueError(f"max_slots ({max_slots}) must be >= 1 and max_context ({max_context}) >= 2")
         if page_size < 1:
@@ -200,15 +208,22 @@ class Engine:
         self.speculative_tokens = speculative_tokens
         # Why prefix caching is off although asked for (None: as asked).
         self.prefix_caching_off: str | None = None
+        if state_snapshots is not None and state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be >= 0 (0 = none), got {state_snapshots}")
+        # Hybrid models: KDA state snapshots at cached page boundaries (the module docs).
+        self.state_snapshots = 0
         if prefix_caching and is_hybrid(config):
-            self.prefix_caching_off, prefix_caching = HYBRID_NO_PREFIX_CACHING, False
-            logger.warning(HYBRID_NO_PREFIX_CACHING)
+            self.state_snapshots = max_slots if state_snapshots is None else state_snapshots
+            if not self.state_snapshots:
+                self.prefix_caching_off, prefix_caching = HYBRID_NO_PREFIX_CACHING, False
+                logger.warning(HYBRID_NO_PREFIX_CACHING)
+        snapshots = {"state_snapshots": self.state_snapshots} if self.state_snapshots else {}
         self.max_consecutive_failures = max_consecutive_failures
         self.observer = observer or EngineObserver()
         self.runner = runner_factory(config, params, max_slots=max_slots, num_pages=num_pages,
                                      page_size=page_size, max_pages=self.max_pages, options=options,
                                      block_positions=block_positions, mesh=mesh,
-                                     speculative_tokens=speculative_tokens)
+                                     speculative_tokens=speculative_tokens, **snapshots)
         self._host_cache_pages = host_cache_pages
         self.scheduler = Scheduler(self._new_allocator(num_pages), max_slots=max_slots,
                                    max_context=self.max_context, page_size=page_size,
@@ -235,8 +250,9 @@ class Engine:
         self._thread.start()
 
     def _new_allocator(self, num_pages: int) -> PageAllocator:
+        snapshots = StateSnapshots(self.state_snapshots) if self.state_snapshots else None
         return PageAllocator(num_pages, host_pages=self._host_cache_pages, offload=self._offload,
-                             reload=self._reload)
+                             reload=self._reload, snapshots=snapshots)
 
     # ------------------------------------------------------------------ public
     @property
@@ -489,6 +505,8 @@ class Engine:
     def _admit(self) -> None:
         for sequence in self.scheduler.admit():
             request = sequence.payload
+            if sequence.computed and self.state_snapshots:  # a hybrid prefix hit: its KDA state
+                self.runner.restore_state(sequence.slot, self.pages.snapshots.use(sequence.hashes[-1]))
             if request.saved_sampler is not None:  # back from preemption: resume its key and counts
                 self.runner.write_slot(sequence.slot, request.saved_sampler)
             else:
@@ -567,6 +585,7 @@ class Engine:
             for sequence in plan.decodes:
                 if sequence.slot is not None:
                     self.scheduler.computed(sequence, 1)
+                    self._snapshot(sequence)
                     self._emit(sequence, int(sampled.tokens[sampled_index[sequence]]), sampled,
                                sampled_index[sequence])
             for row, (sequence, count) in enumerate(plan.chunks):
@@ -575,12 +594,21 @@ class Engine:
                 if scored is not None and sequence.payload.prompt_scores is not None:
                     self._keep_scores(sequence, scored, row * chunk_len, count)
                 self.scheduler.computed(sequence, count)
+                self._snapshot(sequence)
                 if sequence in sampled_index:
                     index = sampled_index[sequence]
                     self._emit(sequence, int(sampled.tokens[index]), sampled, index)
                 elif sequence.pending == 0:  # max_tokens 0: the prompt is scored, nothing to generate
                     self._finish(sequence, GenerationEvent(None, finish_reason="length",
                                                            prompt_logprobs=self._prompt_logprobs(sequence)))
+
+    def _snapshot(self, sequence: Sequence) -> None:
+        """After a mixed step (never a decode call: a call queued behind it may already have moved
+        the slot's state on): snapshots the KDA state if the sequence's computed tokens end a
+        cached page without one (hybrid prefix caching)."""
+        key = self.scheduler.snapshot_wanted(sequence) if self.state_snapshots else None
+        if key is not None:
+            self.runner.save_state(sequence.slot, self.pages.snapshots.take(key))
 
     def _keep_scores(self, sequence: Sequence, scored, first: int, count: int) -> None:
         """Records the scores of the chunk tokens at flat rows first.. (position p scores p + 1)."""
@@ -650,6 +678,9 @@ class Engine:
                 mask = np.zeros(self.max_slots, bool)
                 runner.mixed_step(runner.padding_batch(*geometry), unused, unused, mask)
             runner.write_slot(0, runner.read_slot(0))
+            if self.state_snapshots:  # out-of-range targets: compiled, nothing written
+                runner.save_state(0, self.state_snapshots)
+                runner.restore_state(self.max_slots, 0)
             runner.set_slot(0, SamplingParams(), [0], 0)
             if self.pages.host_pages:
                 self._reload(0, self._offload(0))

@@ -35,7 +35,7 @@ from glm5_jax.engine.runner import ModelRunner
 
 # The runner's calls that run device programs or read device state: mirrored on every process.
 MIRRORED = ("set_slot", "read_slot", "write_slot", "read_page", "write_page", "mixed_step",
-            "launch_decode", "launch_speculative", "fetch", "reset")
+            "launch_decode", "launch_speculative", "fetch", "reset", "save_state", "restore_state")
 _CONSTRUCT, _STOP = "__init__", "__stop__"
 _PREFIX = "glm5_jax/serve"
 _KEEP_COMMANDS = 4096  # process 0 deletes a command this many commands later

@@ -12,6 +12,12 @@ Pure Python over page numbers; the device arrays live in the engine (glm5_jax.mo
   `offload(page) -> data` callback (LRU, at most host_pages entries); a later `match` that finds
   a key only on the host allocates a device page and copies the data back with `reload(page,
   data)`.
+- State snapshots (hybrid models, `StateSnapshots`): the KDA layers' state after a cached page's
+  last token, in one of a fixed number of snapshot slots on the device, keyed by the page's hash.
+  A prefix hit of a hybrid model ends at a page with a snapshot. A snapshot lives while its key
+  is cached (on the device or the host): the allocator forgets it with the page; when every slot
+  is taken the least recently used snapshot gives its slot up (its page stays cached, no longer
+  an end of a hit).
 """
 
 from __future__ import annotations
@@ -36,12 +42,57 @@ def page_hashes(tokens: Sequence[int], page_size: int, count: int | None = None,
     return hashes
 
 
+class StateSnapshots:
+    """Which page keys have a KDA state snapshot, in which of `capacity` snapshot slots (LRU)."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 snapshot, got {capacity}")
+        self.capacity = capacity
+        self._slot_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # oldest first
+        self._free = collections.deque(range(capacity))
+        self.saves = 0
+        self.restores = 0
+        self.evictions = 0
+
+    @property
+    def used(self) -> int:
+        return len(self._slot_of)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._slot_of
+
+    def take(self, key: bytes) -> int:
+        """A snapshot slot for `key` (which has none yet): a free one, else the least recently used."""
+        if self._free:
+            slot = self._free.popleft()
+        else:
+            _, slot = self._slot_of.popitem(last=False)
+            self.evictions += 1
+        self._slot_of[key] = slot
+        self.saves += 1
+        return slot
+
+    def use(self, key: bytes) -> int:
+        """The snapshot slot of `key` (a hit restores from it; now the most recently used)."""
+        self._slot_of.move_to_end(key)
+        self.restores += 1
+        return self._slot_of[key]
+
+    def forget(self, key: bytes) -> None:
+        """`key` left the prefix cache: its snapshot slot is free again."""
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+
+
 class PageAllocator:
     """Ref-counted pages with an LRU prefix cache and optional host offload (see module docs)."""
 
     def __init__(self, num_pages: int, *, host_pages: int = 0,
                  offload: Callable[[int], object] | None = None,
-                 reload: Callable[[int, object], None] | None = None):
+                 reload: Callable[[int, object], None] | None = None,
+                 snapshots: StateSnapshots | None = None):
         if num_pages < 1 or host_pages < 0:
             raise ValueError(f"num_pages ({num_pages}) must be >= 1 and host_pages ({host_pages}) >= 0")
         if host_pages and (offload is None or reload is None):
@@ -49,6 +100,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self.host_pages = host_pages
         self._offload, self._reload = offload, reload
+        self.snapshots = snapshots  # hybrid models: the KDA state snapshots of cached pages
         self.refs = np.zeros(num_pages, np.int64)
         self._free = collections.deque(range(num_pages))
         self._cached: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # oldest first
@@ -85,6 +137,10 @@ class PageAllocator:
     def on_host(self, key: bytes) -> bool:
         return key in self._host
 
+    def knows(self, key: bytes) -> bool:
+        """A device page or the host cache holds `key`."""
+        return key in self._page_of or key in self._host
+
     # ------------------------------------------------------------------ operations
     def allocate(self) -> int | None:
         """A page with ref count 1, or None when every page is in use."""
@@ -105,7 +161,14 @@ class PageAllocator:
             self._host[key] = self._offload(page)
             self._host.move_to_end(key)
             while len(self._host) > self.host_pages:
-                self._host.popitem(last=False)
+                self._forget(self._host.popitem(last=False)[0])
+        else:
+            self._forget(key)
+
+    def _forget(self, key: bytes) -> None:
+        """`key` is cached nowhere any more."""
+        if self.snapshots is not None:
+            self.snapshots.forget(key)
 
     def release(self, page: int) -> None:
         """Drops one reference; an unreferenced hashed page stays cached (most recent last)."""

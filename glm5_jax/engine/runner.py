@@ -37,11 +37,13 @@ from glm5_jax.engine.sampling import (
 )
 from glm5_jax.engine.speculative import DraftState, init_draft_state, mtp_after_step, speculative_loop
 from glm5_jax.engine.types import MAX_TOP_LOGPROBS, SamplingParams
+from glm5_jax.model.attention.linear_pages import restore_state, save_state
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.paged_decode import (
     DEFAULT_BLOCK_POSITIONS,
     StepBatch,
     init_paged_cache,
+    init_state_snapshots,
     paged_step,
     read_page,
     serving_layout,
@@ -216,11 +218,17 @@ class ModelRunner:
     the page pool and the sampler state replicated (every tensor shard's heads read the whole
     MLA latent); the sampler on gathered logits. Weights already placed that way (loaded
     straight into their shardings) are not moved.
+
+    state_snapshots: a hybrid model's snapshot pool size (prefix caching: the KDA state at cached
+    page boundaries, `save_state` / `restore_state`; 0 = none), replicated like the page pool.
     """
 
     def __init__(self, config: ModelConfig, params, *, max_slots: int, num_pages: int, page_size: int,
                  max_pages: int, options=None, block_positions: int = DEFAULT_BLOCK_POSITIONS,
-                 mesh: jax.sharding.Mesh | None = None, speculative_tokens: int = 0):
+                 mesh: jax.sharding.Mesh | None = None, speculative_tokens: int = 0,
+                 state_snapshots: int = 0):
+        if state_snapshots and not is_hybrid(config):
+            raise ValueError("state snapshots are for hybrid (KDA) models; this model has no linear layers")
         if speculative_tokens and is_hybrid(config):
             raise ValueError("speculative decoding is not available for hybrid (GLM-5.3-Flash, glm5_next) "
                              "models: their checkpoints' MTP layer is not loaded here, and a rejected draft "
@@ -244,6 +252,7 @@ class ModelRunner:
         # Table width: whole streamed blocks, so the last block never reads past the table.
         self.table_width = -(-max_pages // self.block_pages) * self.block_pages
         self.num_pages = num_pages
+        self.state_snapshots = state_snapshots
         self.reset()
 
     def _place(self, tree):
@@ -275,6 +284,24 @@ class ModelRunner:
     def write_page(self, page: int, data) -> None:
         with self._on_mesh():
             self.cache = write_page(self.cache, jnp.int32(page), data, num_pages=self.num_pages)
+
+    # ------------------------------------------------------------------ KDA state snapshots
+    def save_state(self, slot: int, snapshot: int) -> None:
+        """Snapshot `snapshot` := the KDA state of sampler/state slot `slot` (every KDA layer).
+        snapshot >= state_snapshots: nothing written (warm-up)."""
+        with self._on_mesh():
+            self.snapshots = save_state({name: self.cache[name] for name in self.snapshots}, self.snapshots,
+                                        jnp.int32(slot), jnp.int32(snapshot), slots=self.max_slots,
+                                        snapshots=self.state_snapshots)
+
+    def restore_state(self, slot: int, snapshot: int) -> None:
+        """Slot `slot`'s KDA state := snapshot `snapshot` (a prefix hit resumes from it). slot >=
+        max_slots: nothing written (warm-up)."""
+        with self._on_mesh():
+            restored = restore_state({name: self.cache[name] for name in self.snapshots}, self.snapshots,
+                                     jnp.int32(slot), jnp.int32(snapshot), slots=self.max_slots,
+                                     snapshots=self.state_snapshots)
+        self.cache = {**self.cache, **restored}
 
     def padding_batch(self, chunk_rows: int, chunk_len: int) -> StepBatch:
         """An all-padding mixed step (max_slots decode rows, a chunk geometry); fill in place.
@@ -367,7 +394,7 @@ class ModelRunner:
     def cache_lost(self) -> bool:
         """True when a failed step consumed (donated) the page pool or the sampler state, or left
         them holding an error (a call that failed on the device after dispatch)."""
-        leaves = jax.tree.leaves((self.cache, self.sampling, self.drafts))
+        leaves = jax.tree.leaves((self.cache, self.sampling, self.drafts, self.snapshots))
         if any(leaf.is_deleted() for leaf in leaves):
             return True
         try:
@@ -377,7 +404,8 @@ class ModelRunner:
         return False
 
     def reset(self) -> None:
-        """Fresh page pool, sampler state and draft state (at start, and after a failure destroyed them)."""
+        """Fresh page pool, sampler state, draft state and state snapshots (at start, and after a
+        failure destroyed them)."""
         config = self.config
         self.cache = self._place(init_paged_cache(config, self.num_pages, self.page_size,
                                                   self.options and self.options.compute_dtype,
@@ -386,6 +414,9 @@ class ModelRunner:
         self.sampling = self._place(init_sampling_state(self.max_slots, config.vocab_size))
         self.drafts: DraftState | None = self._place(init_draft_state(
             self.max_slots, config.vocab_size, config.hidden_size)) if self.speculative_tokens else None
+        self.snapshots = self._place(init_state_snapshots(
+            config, self.state_snapshots, self.options and self.options.compute_dtype)) \
+            if self.state_snapshots else None
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -14,6 +14,12 @@ pages are released and it is requeued at the front with prompt + generated token
 recomputed (mostly from the prefix cache) later; the plan lists it (with the slot it left) so
 the engine can keep its sampler state. Admission takes prefix-cache hits and waits (head of
 line) until the uncached part of the prompt fits in the free pages.
+
+Hybrid models (the allocator has `snapshots`, KDA state snapshots): a prefix hit must end at a
+page whose state snapshot exists (the engine restores the sequence's KDA state from it), and a
+prefill chunk that crosses a page boundary is cut at its last boundary, so that the state after
+every chunk, and after the last full page of each prompt, can be snapshotted
+(`snapshot_wanted`).
 """
 
 from __future__ import annotations
@@ -154,7 +160,7 @@ class Scheduler:
         if self.prefix_caching and sequence.prefix_hits:
             # At most (len - 1) // page pages: the last token is always computed (its logits sample).
             keys = page_hashes(tokens, self.page_size, (len(tokens) - 1) // self.page_size)
-            pages, _ = self.pages.match(keys)
+            pages = self._match(keys)
             self.prefix_lookups.append((len(tokens), len(pages) * self.page_size))
         needed = -(-len(tokens) // self.page_size) - len(pages)
         if needed > self.pages.available and self.running:
@@ -169,6 +175,39 @@ class Scheduler:
         if sequence.cached_tokens is None:
             sequence.cached_tokens = sequence.computed
         return True
+
+    def _match(self, keys: list[bytes]) -> list[int]:
+        """The cached pages of the longest prefix of keys; with state snapshots (hybrid models)
+        the longest one whose last page has a snapshot."""
+        snapshots = self.pages.snapshots
+        if snapshots is None:
+            return self.pages.match(keys)[0]
+        usable = max((i + 1 for i, key in enumerate(keys) if key in snapshots), default=0)
+        pages = self.pages.match(keys[:usable])[0] if usable else []
+        while pages and keys[len(pages) - 1] not in snapshots:
+            self.pages.release(pages.pop())
+        return pages
+
+    def snapshot_wanted(self, sequence: Sequence) -> bytes | None:
+        """With state snapshots: the key of the page that ends exactly at the sequence's computed
+        tokens, when it is cached and has no snapshot yet (its KDA state in the slot is the state
+        at that boundary right after the step that computed it); else None."""
+        snapshots = self.pages.snapshots
+        full, rest = divmod(sequence.computed, self.page_size)
+        if snapshots is None or rest or not full or len(sequence.hashes) < full:
+            return None
+        key = sequence.hashes[full - 1]
+        return key if key not in snapshots and self.pages.knows(key) else None
+
+    def _chunk_length(self, sequence: Sequence, length: int) -> int:
+        """Tokens of the sequence's next chunk in rows of `length`; with state snapshots, cut at
+        the last page boundary it crosses (the rest runs in the next step)."""
+        count = min(sequence.pending, length)
+        if self.pages.snapshots is not None:
+            boundary = (sequence.computed + count) // self.page_size * self.page_size
+            if sequence.computed < boundary < sequence.computed + count:
+                count = boundary - sequence.computed
+        return count
 
     # ------------------------------------------------------------------ planning
     def _preempt(self, sequence: Sequence, preempted: list) -> None:
@@ -220,7 +259,7 @@ class Scheduler:
         for sequence in prefills[:rows]:
             if sequence not in self.running:  # preempted while growing an earlier one
                 continue
-            count = min(sequence.pending, length)
+            count = self._chunk_length(sequence, length)
             if self._grow(sequence, sequence.computed + count, preempted):
                 chunks.append((sequence, count))
         # Growing a later sequence may have preempted one planned earlier.
@@ -260,10 +299,9 @@ class Scheduler:
             self._grow(sequence, end, [])  # fits: never preempts
         return DecodePlan(list(plan.sequences), self.decode_steps, [])
 
-    @staticmethod
-    def _covered(prefills: list[Sequence], geometry: tuple[int, int]) -> int:
+    def _covered(self, prefills: list[Sequence], geometry: tuple[int, int]) -> int:
         rows, length = geometry
-        return sum(min(s.pending, length) for s in prefills[:rows])
+        return sum(self._chunk_length(s, length) for s in prefills[:rows])
 
     # ------------------------------------------------------------------ after a step
     def computed(self, sequence: Sequence, count: int) -> None:

@@ -41,8 +41,8 @@ from glm5_jax.model.moe import input_major_experts
 from glm5_jax.model.options import ExecutionOptions
 
 __all__ = ["DEFAULT_BLOCK_POSITIONS", "StepBatch", "init_paged_cache", "paged_cache_bytes_per_page",
-           "paged_step", "paged_mtp_step", "read_page", "serving_layout", "state_bytes_per_sequence",
-           "write_page"]
+           "init_state_snapshots", "paged_step", "paged_mtp_step", "read_page", "serving_layout",
+           "state_bytes_per_sequence", "write_page"]
 
 DEFAULT_BLOCK_POSITIONS = 128  # cache positions streamed per attention / indexer block
 
@@ -124,6 +124,17 @@ def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=
         cache[stack.name] = init_state_pool(linear_spec(config, ExecutionOptions()), len(stack.layers),
                                             state_slots, storage)
     return cache
+
+
+def init_state_snapshots(config: ModelConfig, snapshots: int, dtype=None, on_cpu: bool | None = None):
+    """A zeroed snapshot pool for prefix caching of a hybrid model: per KDA stack, `snapshots`
+    copies of one sequence's state ({stack: {"conv": [L * S, K-1, 3NH], "recurrent": [L * S, N,
+    H, H] float32}}, as init_paged_cache's state pools; attention/linear_pages.py's save_state /
+    restore_state copy between the two). Each snapshot is `state_bytes_per_sequence` bytes."""
+    storage = page_storage_dtype(dtype, on_cpu)
+    spec = linear_spec(config, ExecutionOptions())
+    return {stack.name: init_state_pool(spec, len(stack.layers), snapshots, storage)
+            for stack in layer_stacks(config) if stack.attention == "linear"}
 
 
 def paged_cache_bytes_per_page(config: ModelConfig, page_size: int, dtype=None, mtp: bool = False,

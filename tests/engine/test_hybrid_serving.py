@@ -2,9 +2,12 @@
 pooled DSA): greedy output equals the argmax chain of `forward` with chunked prefill, concurrent
 sequences, preemption on a tiny page pool and prompts past index_topk (the pooled sparse
 regime); seeded sampling is the same with and without preemption; the KDA state per sequence
-does not grow with the context; prefix caching is off (and says why); MTP speculation is refused.
+does not grow with the context; prefix caching restores KDA state snapshots (prefix hits equal
+`forward`, with preemption and different continuations; snapshots are freed with their pages) and
+is off without snapshot slots (and says why); MTP speculation is refused.
 
-One engine (one compilation) serves every test: 2 slots, 4-token pages, 16-token chunks."""
+One engine (one compilation) serves every test: 2 slots, 4-token pages, 16-token chunks, prefix
+caching with 4 state snapshots."""
 
 import asyncio
 
@@ -56,7 +59,7 @@ def engine(model):
     # 12 pages of 4 positions: one sequence of up to 40 positions fits (10 pages), two long ones
     # do not, so the later one is preempted and recomputed.
     engine = Engine(config, params, None, max_slots=2, max_context=MAX_CONTEXT, page_size=PAGE, num_pages=12,
-                    token_budget=16, decode_steps=4, seed=0)
+                    token_budget=16, decode_steps=4, seed=0, state_snapshots=4)
     yield engine
     engine.shutdown()
 
@@ -181,14 +184,91 @@ def test_state_per_sequence_does_not_grow_with_the_context(model, engine):
     assert paged_cache_bytes_per_page(config, PAGE) == 4 * (16 + 0 + 8 + 8) * 4
 
 
-def test_prefix_caching_off_and_no_speculation(model, engine):
+def test_prefix_caching_off_without_snapshots_and_no_speculation(model, engine):
     config, params = model
-    assert engine.prefix_caching_off == HYBRID_NO_PREFIX_CACHING and not engine.scheduler.prefix_caching
-    prompt = list(range(2, 20))
-    first, again = generate(engine, [(prompt, SamplingParams(max_tokens=3, temperature=0.0))] * 2)
-    assert first == again
+    assert engine.prefix_caching_off is None and engine.scheduler.prefix_caching
+    off = Engine(config, params, None, max_slots=1, max_context=MAX_CONTEXT, state_snapshots=0)
+    try:
+        assert off.prefix_caching_off == HYBRID_NO_PREFIX_CACHING and not off.scheduler.prefix_caching
+        assert off.runner.snapshots is None and off.pages.snapshots is None
+    finally:
+        off.shutdown()
     with pytest.raises(ValueError, match="hybrid"):
         Engine(config, params, None, max_slots=1, max_context=MAX_CONTEXT, speculative_tokens=1)
+
+
+# ----------------------------------------------------------------------------- prefix caching
+# (the snapshots' bookkeeping without JAX: tests/engine/test_hybrid_prefix_cache.py)
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+
+
+def generate_cached(engine, requests):
+    """[(prompt, params)] together -> [(tokens, log-probabilities, cached_tokens)]."""
+    results = []
+    for events in run_together(engine, requests):
+        tokens = [e.token_id for e in events if e.token_id is not None]
+        logprobs = [e.logprob for e in events if e.token_id is not None]
+        results.append((tokens, logprobs, events[-1].cached_tokens))
+    return results
+
+
+def check_forward(config, params, prompt, tokens, logprobs):
+    assert tokens == greedy_chain(config.replace(eos_token_ids=[]), params, prompt, len(tokens),
+                                  length=MAX_CONTEXT)
+    np.testing.assert_allclose(logprobs, forward_logprobs(config, params, prompt, tokens), atol=2e-5)
+
+
+def test_prefix_hit_restores_the_state_and_equals_forward(model, engine):
+    config, params = model
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(2, config.vocab_size, 24).tolist()  # 6 pages
+    snapshots = engine.pages.snapshots
+    restores = snapshots.restores
+    first = prefix + rng.integers(2, config.vocab_size, 3).tolist()
+    (tokens, logprobs, cached), = generate_cached(engine, [(first, GREEDY)])
+    assert cached == 0
+    check_forward(config, params, first, tokens, logprobs)
+    # Chunks 0..16, 16..24 (cut at the boundary), 24..27: snapshots after pages 4 and 6.
+    for suffix_length in (5, 2):  # different continuations of the same prefix
+        prompt = prefix + rng.integers(2, config.vocab_size, suffix_length).tolist()
+        (tokens, logprobs, cached), = generate_cached(engine, [(prompt, GREEDY)])
+        assert cached == 24  # all 6 pages, the KDA state from the snapshot after page 6
+        check_forward(config, params, prompt, tokens, logprobs)
+    assert snapshots.restores == restores + 2
+
+
+def test_prefix_hits_with_preemption_equal_forward(model, engine):
+    config, params = model
+    rng = np.random.default_rng(12)
+    prefix = rng.integers(2, config.vocab_size, 16).tolist()
+    warm = prefix + [3]
+    generate_cached(engine, [(warm, SamplingParams(max_tokens=1, temperature=0.0))])
+    # Two 26-token prompts on the prefix growing to 38 positions: 20 pages wanted, 12 in the pool,
+    # so the later one is preempted, then recomputed from the cache (its own pages' snapshots).
+    prompts = [prefix + rng.integers(2, config.vocab_size, 10).tolist() for _ in range(2)]
+    preemptions, restores = engine.preemptions, engine.pages.snapshots.restores
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    results = generate_cached(engine, [(prompt, greedy) for prompt in prompts])
+    assert engine.preemptions > preemptions
+    assert engine.pages.snapshots.restores >= restores + 3  # both first admissions and a return
+    for prompt, (tokens, logprobs, cached) in zip(prompts, results, strict=True):
+        assert cached == 16
+        check_forward(config, params, prompt, tokens, logprobs)
+
+
+def test_snapshots_do_not_outlive_their_pages(model, engine):
+    config, _ = model
+    rng = np.random.default_rng(13)
+    quick = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for _ in range(4):  # more distinct prefixes than the pool and the snapshot slots hold
+        generate_cached(engine, [(rng.integers(2, config.vocab_size, n).tolist(), quick) for n in (21, 9)])
+    pages, snapshots = engine.pages, engine.pages.snapshots
+    assert snapshots.used + len(snapshots._free) == snapshots.capacity
+    assert sorted(snapshots._slot_of.values()) + sorted(snapshots._free) != []
+    assert len(set(snapshots._slot_of.values()) | set(snapshots._free)) == snapshots.capacity
+    assert all(pages.knows(key) for key in snapshots._slot_of)  # each on a cached page
+    assert pages.used == 0 and engine.active_requests == 0
 
 
 def test_streams_end_and_slots_free(engine):

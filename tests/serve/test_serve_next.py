@@ -1,7 +1,9 @@
 """serve.py on a hybrid checkpoint (GLM-5.3-Flash, glm5_next: KDA linear layers, hyper-connections,
 pooled DSA) saved by `glm5_jax.save_pretrained` with a tokenizer: the official `openai` client's
 greedy completion equals the argmax chain of `glm5_jax.forward`, streamed and not, past
-index_topk and across prefill chunks; the server says at start that prefix caching is off."""
+index_topk and across prefill chunks; the same prompt again is a prefix-cache hit (the KDA state
+restored from a snapshot) with the same text; the server says at start how many state snapshots
+it keeps."""
 
 import subprocess
 import sys
@@ -15,7 +17,6 @@ from reference import greedy_chain, perturbed_params
 
 import glm5_jax
 from glm5_jax.data import train_bpe_tokenizer
-from glm5_jax.engine.engine import HYBRID_NO_PREFIX_CACHING
 from glm5_jax.model.config import ModelConfig
 
 # One xdist worker runs this module, so its serve.py process is started once.
@@ -77,7 +78,12 @@ def test_completions_equal_forward_streamed_and_not(server, checkpoint):
     response = client.completions.create(model=model_id, prompt=prompt, max_tokens=10, temperature=0)
     assert response.choices[0].text == expected_text
     assert response.usage.completion_tokens == len(expected)
-    assert response.usage.prompt_tokens_details.cached_tokens == 0  # no prefix caching
+    assert response.usage.prompt_tokens_details.cached_tokens == 0  # nothing cached yet
+    again = client.completions.create(model=model_id, prompt=prompt, max_tokens=10, temperature=0)
+    assert again.choices[0].text == expected_text
+    # A hit ends at the last page boundary with a KDA state snapshot (4-token pages).
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 4 == 0 and cached < len(ids)
     streamed = client.completions.create(model=model_id, prompt=prompt, max_tokens=10, temperature=0,
                                          stream=True)
     assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected_text
@@ -85,5 +91,5 @@ def test_completions_equal_forward_streamed_and_not(server, checkpoint):
     sampled = [client.completions.create(model=model_id, prompt=["def add(a, b):", "import os"], max_tokens=6,
                                          temperature=1.0, seed=3) for _ in range(2)]
     assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
-    assert HYBRID_NO_PREFIX_CACHING in log.read_text()  # said at start
+    assert "prefix caching with 2 KDA state snapshots" in log.read_text()  # said at start (2 slots)
     assert httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok"

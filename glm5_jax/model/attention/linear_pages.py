@@ -20,11 +20,18 @@ safe to reuse without clearing it:
   inputs (gathered at the row's valid count), so a chunk row of 3 tokens padded to 16 carries
   exactly what 3 tokens would.
 
+Prefix caching keeps copies of slot states in a **snapshot pool** of the same layout ([L * S, ...]
+for S snapshots): `save_state` copies a slot's state of every KDA layer into a snapshot (the state
+after a cached page boundary), `restore_state` copies a snapshot into a slot (a prefix hit resumes
+the sequence there; docs/serving.md, "Hybrid models").
+
 Letters as in model/kda.py: B rows, T tokens of a row, N heads, H head dim, K conv taps,
 C = 3 N H conv channels.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -44,3 +51,32 @@ def state_bytes_per_layer(spec: LinearAttentionSpec, conv_itemsize: int) -> int:
     """One sequence's state in one KDA layer: (K-1) * 3NH conv values + N H^2 float32."""
     width = 3 * spec.num_heads * spec.head_dim
     return (spec.conv_kernel - 1) * width * conv_itemsize + spec.num_heads * spec.head_dim ** 2 * 4
+
+
+def _entries(pool: jax.Array, index, count: int) -> jax.Array:
+    """Rows of entry `index` in every layer of a flat [L * count, ...] pool: [L]; all past the
+    pool (dropped by a write) when index >= count."""
+    rows = jnp.arange(pool.shape[0] // count) * count + index
+    return jnp.where(index < count, rows, pool.shape[0])
+
+
+def _copy(destination, source, to, start, *, to_count: int, from_count: int):
+    """destination's entry `to` := source's entry `start`, in every layer of every KDA stack
+    ({stack: {"conv", "recurrent"}} both); an out-of-range `to` writes nothing."""
+    return jax.tree.map(lambda dst, src: dst.at[_entries(dst, to, to_count)].set(
+        src.at[_entries(src, start, from_count)].get(mode="clip"), mode="drop"), destination, source)
+
+
+@functools.partial(jax.jit, static_argnames=("slots", "snapshots"), donate_argnames=("snapshot_pools",))
+def save_state(state_pools, snapshot_pools, slot, snapshot, *, slots: int, snapshots: int):
+    """Copies slot `slot`'s state ({stack: state pool [L * slots, ...]}) into snapshot `snapshot`
+    of snapshot_pools ({stack: [L * snapshots, ...]}, donated); returns the snapshot pools.
+    snapshot >= snapshots: nothing written."""
+    return _copy(snapshot_pools, state_pools, snapshot, slot, to_count=snapshots, from_count=slots)
+
+
+@functools.partial(jax.jit, static_argnames=("slots", "snapshots"), donate_argnames=("state_pools",))
+def restore_state(state_pools, snapshot_pools, slot, snapshot, *, slots: int, snapshots: int):
+    """Copies snapshot `snapshot` into slot `slot` of state_pools (donated); returns the state
+    pools. slot >= slots: nothing written."""
+    return _copy(state_pools, snapshot_pools, slot, snapshot, to_count=slots, from_count=snapshots)
