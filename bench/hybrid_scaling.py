@@ -22,6 +22,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_step import ours  # noqa: E402 - bench/train_step.py's step closure
 
 import glm5_jax  # noqa: E402
 from glm5_jax.checkpoint import config_to_hf  # noqa: E402
@@ -29,21 +32,7 @@ from glm5_jax.config_files import load_config_file  # noqa: E402
 from glm5_jax.host_memory import reuse_freed_memory  # noqa: E402
 from glm5_jax.model import ModelConfig  # noqa: E402
 from glm5_jax.model.options import ExecutionOptions  # noqa: E402
-from glm5_jax.train.optimizer import make_optimizer  # noqa: E402
 from glm5_jax.train.settings import TrainSettings  # noqa: E402
-from glm5_jax.train.step import init_train_state, make_train_step  # noqa: E402
-
-
-def ours(config, options, settings):
-    optimizer = make_optimizer(settings)
-    holder = {"state": init_train_state(glm5_jax.init_params(config, 0, options=options), optimizer)}
-    step = make_train_step(config, settings, optimizer, options=options)
-
-    def one_step(batch):
-        holder["state"], metrics = step(holder["state"], batch)
-        return float(metrics["loss"])
-
-    return one_step
 
 
 def transformers_step(config, settings):

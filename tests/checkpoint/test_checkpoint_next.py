@@ -4,38 +4,18 @@ and reloads exactly; every parameter has one checkpoint name. (Checkpoints in, f
 own save with its vision tower: tests/model/test_parity_next.py; FP8: tests/quant.)"""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from next_models import random_next_params, tiny_next
 
 import glm5_jax
 from glm5_jax.checkpoint import checkpoint_names, config_to_hf
-from glm5_jax.model.config import ModelConfig
-from glm5_jax.model.transformer import param_shapes
 
-CONFIG = dict(
-    vocab_size=64, hidden_size=32, dense_intermediate_size=48, moe_intermediate_size=16, num_layers=4,
-    num_dense_layers=1, num_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0,
-    v_head_dim=8, num_experts=4, num_experts_per_token=2, index_num_heads=8, index_head_dim=16, index_topk=8,
-    attention_types=["linear", "dsa", "dsa", "linear"], indexer_types=["full", "full", "shared", "full"],
-    linear_num_heads=2, linear_head_dim=8, hc_mult=3, index_kpool=2, swiglu_limit=0.5, num_mtp_layers=0,
-    pad_token_id=0, bos_token_id=None, eos_token_ids=[1])
-
-
-def random_next_params(config: ModelConfig, seed: int):
-    """normal(0, 0.1) weights and biases, norm scales 1 + uniform(-0.3, 0.3): every tensor matters."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, shape):
-        name = str(path[-1].key)
-        if name == "scale" and "hc" not in str(path[-2].key):
-            values = 1 + rng.uniform(-0.3, 0.3, shape.shape)
-        else:
-            values = 0.1 * rng.standard_normal(shape.shape)
-        return jnp.asarray(values, shape.dtype)
-
-    return jax.tree_util.tree_map_with_path(leaf, param_shapes(config))
+# A shared indexer layer right after a full one (transformers passes the selection to the next
+# layer only) and 3 hyper-connection streams.
+CONFIG = dict(attention_types=["linear", "dsa", "dsa", "linear"],
+              indexer_types=["full", "full", "shared", "full"], hc_mult=3)
 
 
 def _at(tree, path):
@@ -46,7 +26,7 @@ def _at(tree, path):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    config = ModelConfig.from_dict(CONFIG)
+    config = tiny_next(**CONFIG)
     path = tmp_path_factory.mktemp("next")
     params = random_next_params(config, 0)
     glm5_jax.save_pretrained(config, params, path, max_shard_size="100KB")

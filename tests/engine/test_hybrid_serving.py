@@ -14,13 +14,13 @@ import asyncio
 import jax
 import numpy as np
 import pytest
+from next_models import tiny_next
 from reference import greedy_chain, perturbed_params
 from streams import run_together
 
 import glm5_jax
 from glm5_jax.engine.engine import HYBRID_NO_PREFIX_CACHING, Engine
 from glm5_jax.engine.types import SamplingParams
-from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.paged_decode import (
     StepBatch,
@@ -36,20 +36,13 @@ pytestmark = pytest.mark.xdist_group("hybrid_engine")
 
 MAX_CONTEXT = 40
 PAGE = 4
-# tests/model/test_parity_next.py's TINY_NEXT: layers linear, linear, linear, dsa (index_topk 8,
-# pools of 2 with the tail), 2 hyper-connection streams, a SwiGLU clamp, NoPE.
-TINY_NEXT = dict(
-    vocab_size=64, hidden_size=32, dense_intermediate_size=48, moe_intermediate_size=16, num_layers=4,
-    num_dense_layers=1, num_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0,
-    v_head_dim=8, num_experts=4, num_experts_per_token=2, index_num_heads=2, index_head_dim=8, index_topk=8,
-    attention_types=["linear", "linear", "linear", "dsa"], linear_num_heads=2, linear_head_dim=8,
-    hc_mult=2, index_kpool=2, swiglu_limit=0.5, num_mtp_layers=0, pad_token_id=0, bos_token_id=None,
-    eos_token_ids=[1])
+# tests/next_models.py's tiny model with 2 indexer heads of 8.
+CHANGES = dict(index_num_heads=2, index_head_dim=8)
 
 
 @pytest.fixture(scope="module")
 def model():
-    config = ModelConfig.from_dict(TINY_NEXT)
+    config = tiny_next(**CHANGES)
     return config, perturbed_params(config, 5)
 
 

@@ -5,15 +5,14 @@ equal the plain backward's."""
 
 import jax
 import numpy as np
-from checkpoint.test_checkpoint_next import random_next_params
-from model.test_parity_next import next_config
+from next_models import random_next_params, tiny_next
 
 import glm5_jax
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.train.settings import TrainSettings
 from glm5_jax.train.step import make_loss_fn
 
-CONFIG = next_config(index_topk=4)  # pools of 2, so the 13- and 11-token documents select sparsely
+CONFIG = tiny_next(index_topk=4)  # pools of 2, so the 13- and 11-token documents select sparsely
 PARAMS = random_next_params(CONFIG, 3)
 
 

@@ -13,6 +13,7 @@ import logging
 
 import numpy as np
 import pytest
+from next_models import tiny_next
 from reference import randomize_
 
 import glm5_jax
@@ -23,17 +24,8 @@ from glm5_jax.model.transformer import sown_values
 MAX_LOGIT_ERROR = 1e-4
 MIN_SELECTION_GAP = 1e-5  # a top-k tie lets two correct implementations pick different pools
 
-TINY_NEXT = dict(
-    vocab_size=64, hidden_size=32, dense_intermediate_size=48, moe_intermediate_size=16, num_layers=4,
-    num_dense_layers=1, num_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0,
-    v_head_dim=8, num_experts=4, num_experts_per_token=2, index_num_heads=8, index_head_dim=16, index_topk=8,
-    attention_types=["linear", "linear", "linear", "dsa"], linear_num_heads=2, linear_head_dim=8,
-    hc_mult=2, index_kpool=2, swiglu_limit=0.5, num_mtp_layers=0, pad_token_id=0, bos_token_id=None,
-    eos_token_ids=[1])
-
-
 def next_config(**changes) -> ModelConfig:
-    return ModelConfig.from_dict({**TINY_NEXT, **changes})
+    return tiny_next(**changes)
 
 
 def build_next_reference(config: ModelConfig, seed: int):

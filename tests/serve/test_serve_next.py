@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from next_models import tiny_next
 from processes import free_port, wait_healthy
 from reference import greedy_chain, perturbed_params
 
 import glm5_jax
 from glm5_jax.data import train_bpe_tokenizer
-from glm5_jax.model.config import ModelConfig
 
 # One xdist worker runs this module, so its serve.py process is started once.
 pytestmark = pytest.mark.xdist_group("serve_next")
@@ -25,21 +25,15 @@ pytestmark = pytest.mark.xdist_group("serve_next")
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n    y: int = 0\n",
         "for item in range(10):\n    print(item)\n", "import os\nprint(os.getcwd())\n"] * 20
-# tests/engine/test_hybrid_serving.py's tiny glm5_next model, with the tokenizer's vocabulary.
-TINY_NEXT = dict(
-    vocab_size=320, hidden_size=32, dense_intermediate_size=48, moe_intermediate_size=16, num_layers=4,
-    num_dense_layers=1, num_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0,
-    v_head_dim=8, num_experts=4, num_experts_per_token=2, index_num_heads=2, index_head_dim=8, index_topk=8,
-    attention_types=["linear", "linear", "linear", "dsa"], linear_num_heads=2, linear_head_dim=8,
-    hc_mult=2, index_kpool=2, swiglu_limit=0.5, num_mtp_layers=0, pad_token_id=0, bos_token_id=None,
-    eos_token_ids=[0])
+# tests/next_models.py's tiny model (2 indexer heads of 8) with the tokenizer's vocabulary.
+CHANGES = dict(vocab_size=320, index_num_heads=2, index_head_dim=8, eos_token_ids=[0])
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("served_next")
     tokenizer = train_bpe_tokenizer(TEXT, vocab_size=320)
-    config = ModelConfig.from_dict(TINY_NEXT)
+    config = tiny_next(**CHANGES)
     params = perturbed_params(config, 11)
     glm5_jax.save_pretrained(config, params, directory)
     tokenizer.save(str(directory / "tokenizer.json"))
