@@ -80,7 +80,8 @@ def data_glob(tmp_path_factory):
 # a long tail at the end; the rest keep their file order.
 SLOW_FIRST = ("test_parallel", "test_multihost", "test_train_cli", "test_serve_mesh", "test_train_step",
               "test_soak", "test_kernel_switch", "test_kernels_moe", "test_engine", "test_speculative",
-              "test_serve_e2e", "test_structured", "test_model")
+              "test_serve_e2e", "test_hybrid_serving", "test_serve_next", "test_parity_next",
+              "test_structured", "test_model")
 
 
 def pytest_collection_modifyitems(config, items):
