@@ -6,8 +6,8 @@ against the single-device result, and which collectives the compiled HLO holds.
 
 Prints one JSON object per line. A mesh suffixed "@cf=F" runs the forward loss only, with
 expert_capacity_factor F (so tokens may be dropped); "@step" runs the full sharded train step;
-"@pallas" compares the Pallas-kernel config sharded vs on one device; "@hybrid" the loss and
-gradients of a GLM-5.3-Flash-style model (KDA, pooled DSA, hyper-connections) sharded vs on one device;
+"@pallas" compares the Pallas-kernel config sharded vs on one device; "@hybrid" the loss of a
+GLM-5.3-Flash-style model (KDA, pooled DSA, hyper-connections) sharded vs on one device;
 "@ragged" only lowers forward+backward with expert_dispatch="ragged_all_to_all" (XLA:CPU cannot
 compile ragged_all_to_all; GPUs and TPUs can).
 """
@@ -100,16 +100,16 @@ def main(meshes):
         placed_batch = jax.device_put(batch, batch_sharding)
         result = {"mesh": text, "variant": variant}
         if variant == "hybrid":
+            # The loss only (its backward is the same program's transpose; compile time dominates).
             hybrid_params = random_params(HYBRID, 1)
-            grad_fn = jax.value_and_grad(make_loss_fn(HYBRID, SETTINGS, OPTIONS), has_aux=True)
-            (want, _), want_grads = jax.jit(grad_fn)(hybrid_params, batch)
+            loss_fn = make_loss_fn(HYBRID, SETTINGS, OPTIONS)
+            want, _ = jax.jit(loss_fn)(hybrid_params, batch)
             shardings = sharding.param_shardings(param_logical_axes(HYBRID), mesh)
             with sharding.activate(mesh, sharding.DEFAULT_RULES):
-                (got, _), got_grads = jax.jit(grad_fn, in_shardings=(shardings, batch_sharding))(
+                got, _ = jax.jit(loss_fn, in_shardings=(shardings, batch_sharding))(
                     jax.device_put(hybrid_params, shardings), placed_batch)
             kda = shardings["layers_0_to_1"]["linear_attention"]
             result.update(loss_rel=abs(float(got) - float(want)) / abs(float(want)),
-                          grad_rel=relative_error(got_grads, want_grads),
                           q_proj_spec=str(kda["q_proj"].spec), o_proj_spec=str(kda["o_proj"].spec),
                           hc_fn_spec=str(shardings["layers_0_to_1"]["attn_hc"]["fn"].spec))
         elif variant == "pallas":  # the Pallas kernels (interpreted) run per device via shard_map

@@ -39,7 +39,12 @@ def _wait_until(condition, what: str, timeout: float = 120.0):
 def _metric(port: int, name: str) -> float:
     # A generous timeout: on a 2-core machine also running the suite's multi-process tests the
     # server can take seconds to answer while it streams 16 choices (what is tested is the drain).
-    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
+    # A slow answer is asked again until `_wait_until`'s own deadline.
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    except httpx.TimeoutException:
+        return 0.0
+    for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0
