@@ -112,8 +112,9 @@ def test_packed_documents_equal_each_document_alone():
     bounds = [0, 11, 16, T]  # 16: a chunk boundary with chunk_size 8
     starts = np.zeros((B, T), bool)
     starts[:, bounds[:-1]] = True
-    for run in (lambda *a, **kw: kda_recurrent(*a, use_qk_l2norm=True, **kw),
-                lambda *a, **kw: kda_chunked(*a, chunk_size=8, use_qk_l2norm=True, **kw)):
+    # Jitted: op by op, the scans' bodies would compile hundreds of small programs.
+    for run in (jax.jit(lambda *a, **kw: kda_recurrent(*a, use_qk_l2norm=True, **kw)),
+                jax.jit(lambda *a, **kw: kda_chunked(*a, chunk_size=8, use_qk_l2norm=True, **kw))):
         packed, _ = run(q, k, v, g, beta, starts=starts)
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             alone, _ = run(*(a[:, start:end] for a in (q, k, v, g, beta)))
@@ -126,9 +127,10 @@ def test_packed_documents_equal_each_document_alone():
                            linear_attention_weights(spec, np.float32),
                            is_leaf=lambda w: hasattr(w, "init"))
     x = np.random.default_rng(4).standard_normal((B, T, 16)).astype(np.float32)
-    packed, _ = linear_attention(spec, weights, x, starts=starts)
+    layer = jax.jit(lambda x, starts=None: linear_attention(spec, weights, x, starts=starts))
+    packed, _ = layer(x, starts)
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        alone, _ = linear_attention(spec, weights, x[:, start:end])
+        alone, _ = layer(x[:, start:end])
         np.testing.assert_allclose(np.asarray(packed)[:, start:end], np.asarray(alone), atol=1e-5)
 
 

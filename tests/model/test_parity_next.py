@@ -43,41 +43,42 @@ def build_next_reference(config: ModelConfig, seed: int):
     return model.eval()
 
 
-def check_parity(config: ModelConfig, tmp_path, seq_len: int, seed: int = 1, batch: int = 2) -> float:
+def check_parity(config: ModelConfig, tmp_path, lengths: tuple[int, ...], seed: int = 1, batch: int = 2):
+    """One reference model, saved and loaded once, compared at each sequence length."""
     import torch
 
     reference = build_next_reference(config, seed)
     reference.save_pretrained(tmp_path)
     loaded, params = glm5_jax.load_pretrained(tmp_path)
     assert loaded == config
-    input_ids = np.random.default_rng(seed).integers(2, config.vocab_size, (batch, seq_len))
-    with torch.no_grad():
-        want = reference(torch.as_tensor(input_ids)).logits.numpy()
-    outputs = glm5_jax.apply_model(loaded, params, input_ids, collect_intermediates=True)
-    gaps = [float(np.min(value)) for _, value in sown_values(outputs["intermediates"], "selection_gap")]
-    assert min(gaps) > MIN_SELECTION_GAP, f"pooled top-k boundary tie (gaps {gaps}); choose another seed"
-    error = float(np.max(np.abs(np.asarray(outputs["logits"]) - want)))
-    print(f"max |logit error| = {error:.3g} (logits up to {np.abs(want).max():.3g}), gaps {gaps}")
-    assert error <= MAX_LOGIT_ERROR
-    return error
+    for seq_len in lengths:
+        input_ids = np.random.default_rng(seed).integers(2, config.vocab_size, (batch, seq_len))
+        with torch.no_grad():
+            want = reference(torch.as_tensor(input_ids)).logits.numpy()
+        outputs = glm5_jax.apply_model(loaded, params, input_ids, collect_intermediates=True)
+        gaps = [float(np.min(value)) for _, value in sown_values(outputs["intermediates"], "selection_gap")]
+        assert min(gaps) > MIN_SELECTION_GAP, f"pooled top-k boundary tie (gaps {gaps}); choose another seed"
+        error = float(np.max(np.abs(np.asarray(outputs["logits"]) - want)))
+        print(f"T={seq_len}: max |logit error| = {error:.3g} (logits up to {np.abs(want).max():.3g}), "
+              f"gaps {gaps}")
+        assert error <= MAX_LOGIT_ERROR
 
 
 VARIANTS = {
-    # name: (config changes, sequence length)
-    "hc2_pool2_long": (dict(), 24),
-    "hc2_pool2_short": (dict(), 6),
-    "hc1_pool1": (dict(hc_mult=1, index_kpool=1), 20),
-    "hc4_pool4_no_tail": (dict(hc_mult=4, index_kpool=4, index_kpool_always_select_tail=False), 23),
+    # name: (config changes, sequence lengths: longer and shorter than index_topk 8)
+    "hc2_pool2": (dict(), (24, 6)),
+    "hc1_pool1": (dict(hc_mult=1, index_kpool=1), (20,)),
+    "hc4_pool4_no_tail": (dict(hc_mult=4, index_kpool=4, index_kpool_always_select_tail=False), (23,)),
     "shared_indexer": (dict(attention_types=["linear", "dsa", "dsa", "linear"],
-                            indexer_types=["full", "full", "shared", "full"], num_dense_layers=2), 21),
+                            indexer_types=["full", "full", "shared", "full"], num_dense_layers=2), (21,)),
 }
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_match_transformers_glm5_next(variant, tmp_path, caplog):
-    changes, seq_len = VARIANTS[variant]
+    changes, lengths = VARIANTS[variant]
     with caplog.at_level(logging.WARNING, logger="glm5_jax.checkpoint.hf_io"):
-        check_parity(next_config(**changes), tmp_path, seq_len)
+        check_parity(next_config(**changes), tmp_path, lengths)
     assert "skipped the vision tower" in caplog.text
 
 
