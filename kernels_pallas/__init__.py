@@ -8,7 +8,8 @@
     ragged_paged_attention.py  MLA attention of a ragged token batch (decode + prefill chunks) over pages
     moe_grouped_matmul.py  grouped matmul over expert-sorted rows, forward and backward
     fp8_matmul.py          weight-only FP8 (128x128 block-scaled) matmul, tiles dequantized in-kernel
+    kda.py                 chunked Kimi Delta Attention (gated delta rule), forward and backward
 
 The model selects them per op (ExecutionOptions.attention_impl, indexer_impl, decode_attention_impl,
-moe_impl="pallas", quantized_matmul="pallas"); see docs/kernels.md.
+linear_attention_impl, moe_impl="pallas", quantized_matmul="pallas"); see docs/kernels.md.
 """
