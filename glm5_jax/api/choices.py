@@ -78,6 +78,16 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+# Characters that str.splitlines (and line readers built on it, e.g. httpx's iter_lines) take for
+# line ends, which JSON leaves raw inside strings: escaped, so one event stays one line for any
+# reader (a sampled token can decode to one of them).
+_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(data) -> str:
+    """`data` as one server-sent event's JSON: UTF-8 text kept, line-ending characters escaped."""
+    return json.dumps(data, ensure_ascii=False).translate(_LINE_ENDS)
+
 async def _until_disconnected(request: Request) -> None:
     # The body has been read, so the next ASGI message is the disconnect (uvicorn blocks until then).
     while (await request.receive())["type"] != "http.disconnect":
@@ -161,7 +171,7 @@ async def respond(request: Request, stream: bool, include_usage: bool, choices: 
     def sse(data: dict) -> str:
         # With include_usage every chunk carries "usage": null except the last one, as OpenAI does.
         data = {**data, "usage": None} if include_usage else data
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"data: {sse_json(data)}\n\n"
 
     async def events():
         for chunk in first_chunks:

@@ -589,3 +589,16 @@ def test_serve_cli_defaults_and_missing_demo_run(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exited:
         serve.main(["--checkpoint", str(tmp_path), "--server-config", str(tmp_path / "server.json")])
     assert "unknown field(s) ['model_aliasses']" in str(exited.value.code)
+
+
+def test_stream_events_stay_one_line_for_splitlines_readers():
+    """A sampled token can decode to U+0085, U+2028 or U+2029, which JSON leaves raw and
+    str.splitlines (httpx's iter_lines) takes for line ends: the event escapes them."""
+    import json
+
+    from glm5_jax.api.choices import sse_json
+
+    text = "a\x85b\u2028c\u2029d é"
+    event = sse_json({"choices": [{"text": text}]})
+    assert len(event.splitlines()) == 1 and "é" in event
+    assert json.loads(event)["choices"][0]["text"] == text
