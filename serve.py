@@ -320,7 +320,7 @@ def main(argv=None) -> int:
         sys.exit(f"error: {exc}")
     if tokenizer is None:
         sys.exit(f"error: {checkpoint} has no tokenizer.json; the server needs it to read and write text")
-    if args.speculative_tokens and "linear" in config.attention_types:
+    if args.speculative_tokens and config.has_linear_layers:
         sys.exit(f"error: --speculative-tokens is not available for {checkpoint}, a hybrid (GLM-5.3-Flash, "
                  "glm5_next) model: its MTP layer is not loaded, and a rejected draft would have to roll the "
                  "KDA state back; serve it without --speculative-tokens")

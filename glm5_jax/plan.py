@@ -366,7 +366,7 @@ def _plan_serve(args, config, options, mesh, rules):
                              params, params_sharding)
     params_in = serving_layout(config, params_in, options)  # as the engine's runner holds them
     # The plan is for accelerators (on fake CPU devices): their pools keep the compute dtype.
-    hybrid = "linear" in config.attention_types  # KDA layers: a state pool of one slot per sequence
+    hybrid = config.has_linear_layers  # a state pool of one slot per sequence
     cache = jax.eval_shape(lambda: init_paged_cache(config, num_pages, page_size, options.compute_dtype,
                                                     on_cpu=False, state_slots=batch_rows if hybrid else 0))
     whole = sharding.replicated(mesh)

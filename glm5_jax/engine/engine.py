@@ -54,7 +54,7 @@ from glm5_jax.engine.batches import allowed_bits, decode_inputs, mixed_inputs
 from glm5_jax.engine.grammar import ConstrainedOutput, GrammarCompiler
 from glm5_jax.engine.observer import EngineObserver
 from glm5_jax.engine.paged_cache import PageAllocator, StateSnapshots
-from glm5_jax.engine.runner import DecodeCall, ModelRunner, Sampled, is_hybrid
+from glm5_jax.engine.runner import DecodeCall, ModelRunner, Sampled
 from glm5_jax.engine.scheduler import (
     DecodePlan,
     MixedPlan,
@@ -212,7 +212,7 @@ class Engine:
             raise ValueError(f"state_snapshots must be >= 0 (0 = none), got {state_snapshots}")
         # Hybrid models: KDA state snapshots at cached page boundaries (the module docs).
         self.state_snapshots = 0
-        if prefix_caching and is_hybrid(config):
+        if prefix_caching and config.has_linear_layers:
             self.state_snapshots = max_slots if state_snapshots is None else state_snapshots
             if not self.state_snapshots:
                 self.prefix_caching_off, prefix_caching = HYBRID_NO_PREFIX_CACHING, False

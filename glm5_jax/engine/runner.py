@@ -56,12 +56,6 @@ from glm5_jax.parallel.sharding import SERVING_RULES, activate, replicated, serv
 MAX_STOP_IDS = 16  # stop token ids the device checks per row (the host re-checks all of them)
 
 
-def is_hybrid(config: ModelConfig) -> bool:
-    """A model with KDA (linear) layers (GLM-5.3-Flash): per-sequence recurrent state beside the
-    pages (docs/serving.md, "Hybrid models")."""
-    return "linear" in config.attention_types
-
-
 def host_array(array) -> np.ndarray:
     """A device array as a host array. One split over other processes' devices (multi-process
     serving, glm5_jax/engine/multihost.py) is gathered first: a collective, which every process
@@ -227,9 +221,9 @@ class ModelRunner:
                  max_pages: int, options=None, block_positions: int = DEFAULT_BLOCK_POSITIONS,
                  mesh: jax.sharding.Mesh | None = None, speculative_tokens: int = 0,
                  state_snapshots: int = 0):
-        if state_snapshots and not is_hybrid(config):
+        if state_snapshots and not config.has_linear_layers:
             raise ValueError("state snapshots are for hybrid (KDA) models; this model has no linear layers")
-        if speculative_tokens and is_hybrid(config):
+        if speculative_tokens and config.has_linear_layers:
             raise ValueError("speculative decoding is not available for hybrid (GLM-5.3-Flash, glm5_next) "
                              "models: their checkpoints' MTP layer is not loaded here, and a rejected draft "
                              "would have to roll the KDA state back; serve with speculative_tokens 0")

@@ -120,9 +120,14 @@ class ModelConfig:
         return self.num_layers - self.num_dense_layers
 
     @property
+    def has_linear_layers(self) -> bool:
+        """KDA ("linear") layers: a per-sequence recurrent state instead of a KV cache there."""
+        return "linear" in self.attention_types
+
+    @property
     def is_hybrid(self) -> bool:
         """GLM-5.3-Flash's architecture (glm5_next): KDA layers, hyper-connections or pooled DSA."""
-        return "linear" in self.attention_types or self.hc_mult > 0 or self.index_kpool > 0
+        return self.has_linear_layers or self.hc_mult > 0 or self.index_kpool > 0
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -213,7 +218,7 @@ class ModelConfig:
             require(self.index_topk % self.index_kpool == 0, "index_topk",
                     f"must be divisible by index_kpool={self.index_kpool}")
         require(self.swiglu_limit >= 0, "swiglu_limit", "must be >= 0 (0 = no clamp)")
-        if "linear" in self.attention_types:
+        if self.has_linear_layers:
             for field in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
                 require(getattr(self, field) >= 1, field, "must be >= 1 when a layer is 'linear'")
         if self.is_hybrid:

@@ -162,7 +162,7 @@ def layer_stacks(config: ModelConfig) -> list[LayerStack]:
             runs[-1] = (runs[-1][0], runs[-1][1], layer + 1)
         else:
             runs.append((kind(layer), layer, layer + 1))
-    hybrid = "linear" in config.attention_types
+    hybrid = config.has_linear_layers
     return [LayerStack(f"layers_{first}_to_{end - 1}" if hybrid else f"{ffn}_layers", attention, ffn,
                        range(first, end))
             for (attention, ffn), first, end in runs]

@@ -187,7 +187,7 @@ class Transformer(nn.Module):
             x = constrain(jnp.broadcast_to(x[:, :, None], x.shape[:2] + (config.hc_mult, x.shape[-1])),
                           residual_axes(config))
 
-        hybrid = "linear" in config.attention_types
+        hybrid = config.has_linear_layers
         if hybrid and pipeline_stages() > 1:
             raise NotImplementedError("pipeline parallelism of a model with KDA (linear) layers: its "
                                       "layer stacks are runs of one kind, not one MoE stack to split")
