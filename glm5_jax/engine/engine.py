@@ -68,6 +68,7 @@ from glm5_jax.engine.types import (
     EngineUnavailableError,
     GenerationEvent,
     InvalidRequestError,
+    QueueFullError,
     SamplingParams,
     ShuttingDownError,
 )
@@ -290,10 +291,39 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queues a request. Raises InvalidRequestError (bad input), QueueFullError (the waiting
         queue is at max_waiting) or EngineUnavailableError (the engine has failed)."""
+        return self.submit_batch([(prompt_ids, params)])[0]
+
+    def submit_batch(self, items: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:
+        """Queues requests (prompt ids, params) all at once, in order: every item is validated
+        first (nothing is queued if one is bad), then all are queued under one acquisition of the
+        engine lock, so the engine's next plan sees the whole batch (a deterministic batch
+        composition: RL rollouts reproduce on resume). Raises as `submit`; QueueFullError if
+        the batch does not fit in the waiting queue whole. Call it from the asyncio event loop."""
         if self.failure is not None:
             raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
         if self.draining or self._stopping.is_set():
             raise ShuttingDownError(SHUTTING_DOWN)
+        for prompt_ids, params in items:
+            self._validate(prompt_ids, params)
+        sequences = [self._sequence(prompt_ids, params) for prompt_ids, params in items]
+        with self._lock:
+            if self.draining:  # drain() ran since the check above
+                raise ShuttingDownError(SHUTTING_DOWN)
+            waiting = len(self.scheduler.waiting)
+            limit = self.max_waiting
+            if len(sequences) > 1 and limit is not None and waiting + len(sequences) > limit:
+                raise QueueFullError(f"a batch of {len(sequences)} requests does not fit in the server's "
+                                     f"waiting queue ({waiting} of {limit} taken); retry later",
+                                     retry_after=1.0)
+            for sequence in sequences:
+                self.scheduler.add(sequence)  # QueueFullError when full (a batch was checked whole)
+        for sequence in sequences:
+            self.observer.on_queued(sequence.request_id, sequence.prompt_tokens)
+        self._wakeup.set()
+        return [sequence.payload.stream for sequence in sequences]
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidRequestError if the request cannot be served (changes nothing)."""
         params.validate()
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
@@ -303,6 +333,11 @@ class Engine:
                 f"{self.max_context} tokens (prompt + output); shorten the prompt")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.config.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        if params.constraint is not None and self.tokenizer is None:
+            raise InvalidRequestError("constrained output needs the model's tokenizer")
+
+    def _sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """A validated request's stream and scheduler sequence (not queued yet)."""
         constrained, after_token = self._constrain(params.constraint)
         stream = RequestStream(f"req-{next(self._ids)}", list(prompt_ids), params,
                                asyncio.get_running_loop())
@@ -313,13 +348,7 @@ class Engine:
                             prefix_hits=not scoring,  # cached positions would have no scores
                             payload=_Request(stream, seed, constrained=constrained, after_token=after_token,
                                              prompt_scores={} if scoring else None))
-        with self._lock:
-            if self.draining:  # drain() ran since the check above
-                raise ShuttingDownError(SHUTTING_DOWN)
-            self.scheduler.add(sequence)  # QueueFullError when full
-        self.observer.on_queued(stream.request_id, len(prompt_ids))
-        self._wakeup.set()
-        return stream
+        return sequence
 
     def _constrain(self, constraint):
         """(ConstrainedOutput or None, the `after` text's token id when it is one token)."""
@@ -344,6 +373,56 @@ class Engine:
             raise TimeoutError(f"warm-up did not finish within {timeout} s")
         if self.failure is not None:
             raise EngineUnavailableError(f"the engine failed during warm-up: {self.failure}")
+
+    def load_weights(self, params, timeout: float = 600.0) -> None:
+        """Serves `params` from the next request on, without a checkpoint round trip (RL: the
+        trainer hands its policy to the rollout engine between rollout batches). params: a
+        nested dict in the training layout (`init_params`, TrainState.params) with the served
+        params' shapes and dtypes (ValueError naming the first mismatching path otherwise); its
+        arrays are copied (on a mesh, into the serving shardings), so the trainer may donate
+        them afterwards. Runs on the engine thread between steps and waits for it; compiles
+        nothing (the step programs take params as arguments). Refuses (RuntimeError) while
+        requests run or wait. Flushes the prefix cache: device pages, host-offloaded pages and
+        KDA state snapshots were all computed with the old weights."""
+        if not isinstance(self.runner, ModelRunner):
+            raise NotImplementedError("load_weights is not available for multi-process serving yet: the "
+                                      "followers' runners would keep the old weights")
+        if self.failure is not None or self._stopping.is_set():
+            raise EngineUnavailableError(f"the engine has stopped: {self.failure or SHUTTING_DOWN}")
+        with self._lock:
+            self._refuse_busy()
+        outcome: list[BaseException | None] = []  # the task's exception, or None once it has run
+
+        def task():
+            try:
+                with self._lock:
+                    self._refuse_busy()  # a request may have arrived since the check above
+                    self.runner.load_weights(params)
+                    self.scheduler.pages = self._new_allocator(self.scheduler.pages.num_pages)
+                outcome.append(None)
+            except Exception as exc:  # noqa: BLE001 - raised in the caller's thread, not the engine's
+                outcome.append(exc)
+
+        done = threading.Event()
+        with self._lock:
+            self._tasks.append((task, done))
+        self._wakeup.set()
+        if not done.wait(timeout):
+            raise TimeoutError(f"load_weights did not finish within {timeout} s")
+        if not outcome:  # the engine stopped before running it
+            raise EngineUnavailableError(f"the engine has stopped: {self.failure or SHUTTING_DOWN}")
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    def _refuse_busy(self) -> None:
+        """RuntimeError while requests run or wait (their pages and tokens came from the old weights)."""
+        running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        if running or waiting:
+            raise RuntimeError(f"load_weights needs an idle engine, and {running} requests are running and "
+                               f"{waiting} waiting: hand weights over between rollout batches")
+        if any(self.scheduler.slots) or self.pages.used:
+            raise RuntimeError(f"load_weights needs an idle engine, and {self.pages.used} pages are still "
+                               "held")
 
     def drain(self) -> None:
         """The first step of a graceful shutdown: submit refuses new requests (ShuttingDownError)
@@ -531,10 +610,12 @@ class Engine:
 
     def _speculating(self, sequences) -> bool:
         """Speculative rounds for these rows: on, and no row's sampling depends on the tokens a
-        round draws (penalties) or on the host (a grammar constraint)."""
+        round draws (penalties) or on the host (a grammar constraint), and no row reports the
+        processed distribution's log-probabilities (speculation reports raw ones)."""
         def eligible(params: SamplingParams) -> bool:
             return (params.constraint is None and params.repetition_penalty == 1.0
-                    and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
+                    and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+                    and params.logprobs_mode == "raw")
         return self.speculative_tokens > 0 and all(eligible(s.payload.stream.params) for s in sequences)
 
     def _launch_decode(self, plan: DecodePlan, after: DecodeCall | None = None) -> DecodeCall:

@@ -233,10 +233,8 @@ class ModelRunner:
         self.config = config
         self.speculative_tokens = speculative_tokens
         self.mesh = mesh
-        if mesh is not None:
-            params = jax.device_put(params, serving_param_shardings(param_logical_axes(config), mesh, params))
-        self.params = serving_layout(config, params, options)  # per-layer arrays when unrolled
         self.options = options
+        self._install(params)
         self.max_slots = max_slots
         self.page_size = page_size
         self.block_pages = max(1, min(block_positions // page_size, max_pages))
@@ -248,6 +246,32 @@ class ModelRunner:
         self.num_pages = num_pages
         self.state_snapshots = state_snapshots
         self.reset()
+
+    def _install(self, params, copy: bool = False) -> None:
+        """Serves `params` (the training layout): placed on the mesh's serving shardings, then
+        `serving_layout`; copy: never alias the caller's buffers (see load_weights)."""
+        if self.mesh is not None:
+            shardings = serving_param_shardings(param_logical_axes(self.config), self.mesh, params)
+            params = jax.device_put(params, shardings, may_alias=False if copy else None)
+        elif copy:  # a buffer copy, where the arrays are (jnp.array would compile a copy program per shape)
+            params = jax.device_put(params, may_alias=False)
+        # What load_weights checks new params against: the training layout's shapes and dtypes.
+        self.param_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        self.params = serving_layout(self.config, params, self.options)  # per-layer arrays when unrolled
+
+    def load_weights(self, params) -> None:
+        """Serves `params` from now on: a nested dict in the training layout (as `init_params` or
+        the trainer's TrainState.params give), with the shapes and dtypes of the params served
+        now (ValueError naming the first mismatching path otherwise). The arrays are copied
+        (device_put into the serving shardings on a mesh): the trainer may donate its buffers
+        afterwards. Same shapes, dtypes and shardings: the step programs are not recompiled.
+        The caller must not run a step meanwhile, and must flush every cached page computed
+        with the old weights (Engine.load_weights does both)."""
+        mismatch = _first_mismatch(self.param_specs, params)
+        if mismatch is not None:
+            raise ValueError(f"load_weights: {mismatch}; the served model's parameters have other "
+                             "shapes/dtypes (a different config, or quantized params?)")
+        self._install(params, copy=True)
 
     def _place(self, tree):
         return tree if self.mesh is None else jax.device_put(tree, replicated(self.mesh))
@@ -411,6 +435,22 @@ class ModelRunner:
         self.snapshots = self._place(init_state_snapshots(
             config, self.state_snapshots, self.options and self.options.compute_dtype)) \
             if self.state_snapshots else None
+
+
+def _first_mismatch(specs, params) -> str | None:
+    """The first difference of params from specs (tree structure, shape or dtype) in words, or None."""
+    spec_leaves = dict(jax.tree_util.tree_leaves_with_path(specs))
+    leaves = dict(jax.tree_util.tree_leaves_with_path(params))
+    for path, spec in spec_leaves.items():
+        if path not in leaves:
+            return f"parameter {jax.tree_util.keystr(path)} is missing from the new params"
+        leaf = leaves[path]
+        shape, dtype = tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", type(leaf))
+        if shape != spec.shape or dtype != spec.dtype:
+            return (f"parameter {jax.tree_util.keystr(path)} is {dtype}{list(shape)}, the served one "
+                    f"{spec.dtype}{list(spec.shape)}")
+    extra = [path for path in leaves if path not in spec_leaves]
+    return f"parameter {jax.tree_util.keystr(extra[0])} is not a served parameter" if extra else None
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

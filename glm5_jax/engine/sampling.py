@@ -10,7 +10,8 @@ Per slot, `sample` follows vLLM's order: repetition penalty (HF style, on tokens
 the output so far), presence / frequency penalties (OpenAI style, on the output so far),
 temperature, top_k, top_p, min_p, then a categorical draw with the slot's own key;
 temperature 0 is greedy argmax of the penalised logits. Reported log-probabilities are those of
-the raw model logits (vLLM's default), not of the processed distribution.
+the raw model logits (vLLM's default), or, for slots whose request asks for logprobs_mode
+"processed", of the processed distribution the token was drawn from (RL's behaviour policy).
 
 A slot's random stream depends only on its seed and on how many steps it has run: its key is
 derived from the seed alone and split once per step, and its draw uses only its own key and
@@ -37,7 +38,8 @@ _SEED_MASK = (1 << 64) - 1
 @struct.dataclass
 class SlotOptions:
     """A slot's sampling options by name, the per-slot fields of SamplingState that `set_slot`
-    installs: scalars for one slot (float32; top_k int32, 0 = off), or [S] arrays for all slots."""
+    installs: scalars for one slot (float32; top_k int32, 0 = off; processed_logprobs bool, True =
+    report log-probabilities of the processed distribution), or [S] arrays for all slots."""
 
     temperature: jax.Array
     top_p: jax.Array
@@ -46,6 +48,7 @@ class SlotOptions:
     repetition_penalty: jax.Array
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
+    processed_logprobs: jax.Array
 
     @classmethod
     def of(cls, params: SamplingParams, vocab_size: int) -> SlotOptions:
@@ -55,7 +58,8 @@ class SlotOptions:
                    top_k=np.int32(min(params.top_k, vocab_size)), min_p=f32(params.min_p),
                    repetition_penalty=f32(params.repetition_penalty),
                    presence_penalty=f32(params.presence_penalty),
-                   frequency_penalty=f32(params.frequency_penalty))
+                   frequency_penalty=f32(params.frequency_penalty),
+                   processed_logprobs=np.bool_(params.logprobs_mode == "processed"))
 
 
 @struct.dataclass
@@ -63,7 +67,7 @@ class SamplingState(SlotOptions):
     """Per-slot sampling parameters and history for S slots over a vocabulary of V tokens.
 
     SlotOptions' fields as [S] arrays: temperature, top_p, min_p, repetition_penalty,
-    presence_penalty, frequency_penalty float32; top_k int32 (0 = off). And:
+    presence_penalty, frequency_penalty float32; top_k int32 (0 = off); processed_logprobs bool. And:
     keys: [S, 2] uint32, threefry2x32 key data (one key per slot).
     output_counts: [S, V] int32, how often each token has been generated in the slot's request.
     prompt_mask: [S, V] bool, True for tokens present in the slot's prompt.
@@ -98,6 +102,7 @@ def init_sampling_state(num_slots: int, vocab_size: int) -> SamplingState:
         repetition_penalty=ones(),
         presence_penalty=zeros(),
         frequency_penalty=zeros(),
+        processed_logprobs=jnp.zeros((num_slots,), jnp.bool_),
         keys=make_keys([0] * num_slots),
         output_counts=jnp.zeros((num_slots, vocab_size), jnp.int32),
         prompt_mask=jnp.zeros((num_slots, vocab_size), jnp.bool_),
@@ -303,10 +308,11 @@ def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int,
         default all.
 
     Returns (tokens, token_logprobs, top_ids, top_logprobs, new_state):
-      tokens [S] int32; token_logprobs [S] f32, log_softmax of the RAW logits at `tokens`;
-      top_ids [S, n] int32 and top_logprobs [S, n] f32, the n best raw log-probabilities,
-      descending; new_state with each advancing slot's token counted in output_counts and its
-      key split.
+      tokens [S] int32; token_logprobs [S] f32, log_softmax of the RAW logits at `tokens`
+      (of the processed logits the draw used, for slots with processed_logprobs and
+      temperature > 0); top_ids [S, n] int32 and top_logprobs [S, n] f32, the n best
+      log-probabilities of the same distribution, descending; new_state with each advancing
+      slot's token counted in output_counts and its key split.
 
     Processing per slot (vLLM order): repetition penalty, presence / frequency penalties,
     temperature, top_k, top_p, min_p, categorical draw; temperature 0 = argmax of the penalised
@@ -336,13 +342,25 @@ def sample(logits: jax.Array, state: SamplingState, num_top_logprobs: int,
         lambda: (state.keys, greedy_tokens))
     tokens = jnp.where(state.temperature > 0, sampled_tokens, greedy_tokens)
 
-    def reported():
-        log_probs = jax.nn.log_softmax(raw, axis=-1)
+    def report(log_probs):
         chosen = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
         if not num_top_logprobs:
             return chosen, jnp.zeros((num_slots, 0), jnp.float32), jnp.zeros((num_slots, 0), jnp.int32)
         values, ids = jax.lax.top_k(log_probs, num_top_logprobs)
         return chosen, values, ids.astype(jnp.int32)
+
+    # Rows reporting the processed distribution (greedy rows report raw: nothing was drawn). The
+    # processing runs again here, only when some row asks for it: raw-only batches pay nothing.
+    processed_rows = state.processed_logprobs & (state.temperature > 0)
+
+    def reported():
+        raw_log_probs = jax.nn.log_softmax(raw, axis=-1)
+
+        def processed():
+            log_probs = jax.nn.log_softmax(processed_logits(apply_penalties(raw, state), state), axis=-1)
+            return report(jnp.where(processed_rows[:, None], log_probs, raw_log_probs))
+
+        return jax.lax.cond(jnp.any(processed_rows), processed, lambda: report(raw_log_probs))
 
     def skipped():
         return (jnp.zeros((num_slots,), jnp.float32), jnp.zeros((num_slots, num_top_logprobs), jnp.float32),

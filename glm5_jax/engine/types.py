@@ -33,6 +33,9 @@ class ShuttingDownError(EngineUnavailableError):
 
 
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex")
+# What reported log-probabilities are of: the raw model logits (vLLM's raw_logprobs, the default)
+# or the processed distribution the token was drawn from (processed_logprobs: RL's behaviour policy).
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +68,11 @@ class SamplingParams:
     the prompt tokens' log probabilities (each given the tokens before it; the first is None)
     with this many top alternatives, on the first event (`GenerationEvent.prompt_logprobs`);
     with prompt_logprobs set, max_tokens may be 0 (score the prompt, generate nothing).
-    constraint: a `Constraint` on the output, or None.
+    constraint: a `Constraint` on the output, or None. logprobs_mode: what the reported
+    log-probabilities (token and top alternatives) are of: "raw", the model's logits (vLLM's
+    default), or "processed", the distribution the token was drawn from (log_softmax of the
+    penalised, temperature-scaled, top_k/top_p/min_p-filtered logits; filtered tokens -inf); at
+    temperature 0 (greedy) both are raw. RL rollouts use "processed" (the behaviour policy).
     """
 
     max_tokens: int = 16
@@ -83,6 +90,7 @@ class SamplingParams:
     ignore_eos: bool = False
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None
+    logprobs_mode: str = "raw"
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the first out-of-range parameter."""
@@ -111,6 +119,7 @@ class SamplingParams:
                 "prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}")
         require(self.constraint is None or self.constraint.kind in CONSTRAINT_KINDS, "constraint",
                 f"kind must be one of {CONSTRAINT_KINDS}")
+        require(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"must be one of {LOGPROBS_MODES}")
 
 
 @dataclasses.dataclass(frozen=True)
