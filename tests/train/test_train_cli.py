@@ -129,17 +129,6 @@ def test_generate_and_export_from_the_run(uninterrupted, exported):
     jax.tree.map(np.testing.assert_array_equal, run_params["moe_layers"], hf_params["moe_layers"])
 
 
-@pytest.mark.parametrize("override, message", [
-    ("--config.model.num_expert_groups=3", "num_expert_groups"),
-    ("--config.grad_accum_steps=3", "grad_accum_steps"),
-    ("--config.data.vocab_size=1024", "1024"),
-])
-def test_bad_config_is_named(tmp_path, data_glob, override, message):
-    result = run_train(tmp_path / "run", data_glob, override)
-    assert result.returncode != 0
-    assert message in result.stderr + result.stdout
-
-
 def test_help_texts_are_whole(capsys):
     """train.py --help (absl prints its docstring) names every source kind; generate's --help is
     its whole docstring, not a first line cut mid-sentence."""
@@ -156,18 +145,40 @@ def test_help_texts_are_whole(capsys):
     assert 'python -m glm5_jax.generate --checkpoint runs/demo --prompt "def fibonacci(n):"' in text
 
 
-def test_missing_data_path(tmp_path):
-    result = run_train(tmp_path / "run", str(tmp_path / "nothing" / "*.py"))
-    assert result.returncode != 0
-    assert "nothing" in result.stderr + result.stdout
+def setup_error(workdir, data, **changes) -> str:
+    """train.py's set-up (`setup_run`, what its main runs first) on tests/train_config.py with
+    `changes` ("model.num_expert_groups": 3): the SystemExit message it ends with. In-process: a
+    train.py process per bad input paid ~10 s of start-up for a message. That train.py turns such a
+    SystemExit into exit status 1 and the message on stderr is checked with real processes by
+    test_damaged_latest_checkpoint_falls_back_to_the_previous_step ("error: no usable checkpoint")
+    and tests/parallel/test_multihost.py ("error: bad config: batch_size=6 ...")."""
+    from train_config import get_config
+
+    from glm5_jax.train.loop import setup_run
+
+    config = get_config(data)
+    for name, value in changes.items():
+        section, _, field = name.rpartition(".")
+        (config[section] if section else config)[field] = value
+    with pytest.raises(SystemExit) as raised:
+        setup_run(config, str(workdir))
+    return str(raised.value)
 
 
-def test_unwritable_run_directory(tmp_path, data_glob):
+def test_bad_inputs_are_named(tmp_path, data_glob):
+    """A bad config field (the model's, the training settings', the data's vocabulary against the
+    model's), a data path that matches nothing, an unwritable run directory: one error naming it."""
+    for changes, message in [
+        ({"model.num_expert_groups": 3}, "error: bad config: num_expert_groups: must divide num_experts=4"),
+        ({"grad_accum_steps": 3}, "error: bad config: grad_accum_steps: must divide batch_size=4"),
+        ({"data.vocab_size": 1024}, "tokenizer vocabulary (1024 ids) is larger than the model vocab_size")]:
+        assert message in setup_error(tmp_path / "run", data_glob, **changes), changes
+    missing = str(tmp_path / "nothing" / "*.py")
+    assert f"error: data glob '{missing}' matches no file" in setup_error(tmp_path / "missing", missing)
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    result = run_train(blocker / "run", data_glob)
-    assert result.returncode != 0
-    assert "not writable" in result.stderr + result.stdout
+    unwritable = blocker / "run"
+    assert f"error: run directory {unwritable} is not writable" in setup_error(unwritable, data_glob)
 
 
 def test_non_finite_steps_stop_the_run(tmp_path, data_glob):
