@@ -81,7 +81,6 @@ def test_pallas_kernels_run_per_device_and_match(results):
 
 
 @MESH_CHECKS
-@MESH_CHECKS
 def test_hybrid_model_shards_and_matches(results):
     """GLM-5.3-Flash's layers on fsdp x tensor x expert: the loss equals one device's; KDA
     projections split their heads over `tensor` (and their input over `fsdp`); the
@@ -92,6 +91,7 @@ def test_hybrid_model_shards_and_matches(results):
     assert "tensor" not in result["hc_fn_spec"], result
 
 
+@MESH_CHECKS
 def test_ragged_dispatch_lowers_to_ragged_all_to_all(results):
     # Forward: tokens out and results back (rows + expert ids each way); backward: the transposes.
     assert results[("data=2,expert=4", "ragged")]["ragged_all_to_all"] >= 4
