@@ -22,7 +22,9 @@ from glm5_jax.config_files import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[10, 20, 30, 40], [5, 6, 7], [100, 101, 102, 103, 104]]  # token ids (the tiny vocabulary: 256)
-SERVE = ["--max-slots", "2", "--max-context", "64", "--page-size", "4", "--token-budget", "16",
+# One slot: one decode row bucket to warm up (the requests go one at a time; a second slot's
+# bucket cost each of the three processes its own compilations).
+SERVE = ["--max-slots", "1", "--max-context", "64", "--page-size", "4", "--token-budget", "16",
          "--decode-steps", "4", "--mesh", "tensor=2,expert=2", "--moe-impl", "dense",
          "--no-reuse-host-memory", "--log-level", "warning", "--model-id", "m"]
 
