@@ -26,8 +26,10 @@ The config file's `get_config()` returns an ml_collections ConfigDict with these
                clip_grad_norm, z_loss_weight, mtp_loss_weight, balance_loss_weight,
                router_bias_update_rate, log_every, eval_every, eval_batches, checkpoint_every,
                keep_checkpoints, max_bad_steps, seed
-  objective    "lm" (next-token loss) or "dpo" (preference_jsonl pairs against the frozen init_from
-               weights; dpo_beta)
+  objective    "lm" (next-token loss), "dpo" (preference_jsonl pairs against the frozen init_from
+               weights; dpo_beta) or "grpo" (RL from verifier rewards: the serving engine samples
+               grpo.group_size completions of each of config.tasks' prompts, config.rewards scores
+               them; grpo.* in glm5_jax/train/grpo.py, docs/finetuning.md "GRPO")
   dsa_stage    "off", "dense_warmup" (dense attention, only the indexer trains on its KL to the
                attention) or "sparse" (top-k attention + the indexer KL); indexer_kl_weight
   fine-tuning  init_from (an HF checkpoint or train.py run directory: its architecture, weights
@@ -100,8 +102,14 @@ def main(argv):
     from glm5_jax.train.loop import setup_run, train_loop  # JAX loads after the malloc setting above
 
     config_name = Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem
+    workdir = _WORKDIR.value or f"runs/{config_name}"
     with exit_at_once_on_error(distributed):  # a failing process must not wait for the others
-        train_loop(setup_run(_CONFIG.value, _WORKDIR.value or f"runs/{config_name}"))
+        if _CONFIG.value.get("objective") == "grpo":  # RL: the serving engine samples in this process
+            from glm5_jax.rl.loop import run_grpo
+
+            run_grpo(_CONFIG.value, workdir)
+        else:
+            train_loop(setup_run(_CONFIG.value, workdir))
 
 
 if __name__ == "__main__":

@@ -13,17 +13,19 @@ PACKAGE = ROOT / "glm5_jax"
 OPEN_CYCLES: set = set()
 # What may not import what (lower floors never import higher ones).
 NEVER = {
-    "chat": {"engine", "api", "train", "data", "evaluate", "model"},
-    "parallel": {"model", "engine", "api", "train", "data", "evaluate"},
-    "model": {"engine", "api", "train", "data", "evaluate", "chat"},
-    "quant": {"model", "engine", "api", "train", "data", "evaluate"},
-    "data": {"engine", "api", "evaluate", "prepare"},
-    "train": {"engine", "api", "evaluate"},
+    "chat": {"engine", "api", "train", "data", "evaluate", "model", "rl"},
+    "parallel": {"model", "engine", "api", "train", "data", "evaluate", "rl"},
+    "model": {"engine", "api", "train", "data", "evaluate", "chat", "rl"},
+    "quant": {"model", "engine", "api", "train", "data", "evaluate", "rl"},
+    "data": {"engine", "api", "evaluate", "prepare", "rl"},
+    "train": {"engine", "api", "evaluate", "rl"},
     # The engine runs without the HTTP layer (generate, the in-process evaluator): it imports model,
     # parallel and the neutral modules only.
-    "engine": {"api", "evaluate", "prepare", "train", "data", "checkpoint", "chat"},
+    "engine": {"api", "evaluate", "prepare", "train", "data", "checkpoint", "chat", "rl"},
     # The API drives an engine it is given and needs no JAX (serve.py loads the model).
-    "api": {"model", "parallel", "quant", "checkpoint", "train", "data", "evaluate", "prepare"},
+    "api": {"model", "parallel", "quant", "checkpoint", "train", "data", "evaluate", "prepare", "rl"},
+    # RL (GRPO) sits on top: the trainer, the engine, the verifiers and the data meet there only.
+    "evaluate": {"rl"},
     "glm5_jax.errors": {"*"},
     "glm5_jax.pyconfig": {"model", "engine", "api", "train", "data", "evaluate", "quant", "parallel"},
 }

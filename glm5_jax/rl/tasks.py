@@ -24,6 +24,7 @@ answers as chat_jsonl conversations (glm5_jax/data/chat.py) for the SFT warm-up 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 from collections.abc import Iterable, Sequence
@@ -299,3 +300,20 @@ def write_sft_set(tasks: Sequence[RLTask], path: str | Path) -> int:
                 handle.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
                 written += 1
     return written
+
+
+def ensure_sft_set(specs: Sequence[dict], seed: int, directory: str | Path = "~/.cache/glm5_jax") -> str:
+    """The training splits of `specs` (as `load_tasks` draws them with `seed`) as an SFT set, written
+    once to `directory` under a name keyed by the specs and seed; returns its path. The held-out
+    prompts are never in it."""
+    key = hashlib.sha256(json.dumps([dict(spec) for spec in specs], sort_keys=True).encode()
+                         + f":{seed}".encode()).hexdigest()[:16]
+    path = Path(directory).expanduser() / f"rl_sft-{key}.jsonl"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        train = [task for spec in specs for task in load_tasks(dict(spec), seed)[0]]
+        partial = path.with_suffix(".partial")
+        write_sft_set(train, partial)
+        partial.replace(path)  # never a half-written set under the final name
+    return str(path)
+

@@ -8,9 +8,11 @@ from typing import Any
 
 from glm5_jax.model.config import check_field
 from glm5_jax.model.dsa_training import DSA_STAGES
+from glm5_jax.train.grpo import GRPOSettings
 
 DENSE_WARMUP_TRAINABLE = ("*/indexer/*",)
 GRAD_REDUCE_DTYPES = ("", "float32", "bfloat16")
+OBJECTIVES = ("lm", "dpo", "grpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +46,12 @@ class TrainSettings:
     trainable: tuple[str, ...] = ()
     frozen: tuple[str, ...] = ()
     # "lm": next-token loss (on loss_mask tokens); "dpo": direct preference optimisation on
-    # preference_jsonl pairs against the frozen init_from weights (glm5_jax/train/dpo.py).
+    # preference_jsonl pairs against the frozen init_from weights (glm5_jax/train/dpo.py);
+    # "grpo": RL from verifier rewards on the serving engine's rollouts (glm5_jax/rl/, settings in
+    # config.grpo: glm5_jax/train/grpo.py).
     objective: str = "lm"
     dpo_beta: float = 0.1
+    grpo: GRPOSettings = GRPOSettings()
     # DSA training stage (glm5_jax/model/dsa_training.py): "off", "dense_warmup" (dense attention,
     # only the indexer trains, on its KL to the attention) or "sparse" (top-k attention, the whole
     # model on the LM loss plus the indexer's KL).
@@ -65,6 +70,8 @@ class TrainSettings:
         for field in dataclasses.fields(cls):
             if field.name in config:
                 value = config[field.name]
+                if field.name == "grpo":
+                    value = GRPOSettings.from_dict(value)
                 values[field.name] = tuple(value) if field.name in ("trainable", "frozen") else value
         if values.get("dsa_stage") == "dense_warmup" and not values.get("trainable"):
             values["trainable"] = DENSE_WARMUP_TRAINABLE  # the warm-up trains the indexer alone
@@ -91,14 +98,14 @@ class TrainSettings:
         for field in ("trainable", "frozen"):
             require(all(isinstance(p, str) and p for p in getattr(self, field)), field,
                     "must be a list of parameter-path patterns (strings)")
-        require(self.objective in ("lm", "dpo"), "objective", "must be 'lm' or 'dpo'")
+        require(self.objective in OBJECTIVES, "objective", f"must be one of {OBJECTIVES}")
         require(self.dsa_stage in DSA_STAGES, "dsa_stage", f"must be one of {DSA_STAGES}")
         require(self.indexer_kl_weight >= 0, "indexer_kl_weight", "must be >= 0")
         require(self.dpo_beta > 0, "dpo_beta", "must be > 0")
         require(self.grad_reduce_dtype in GRAD_REDUCE_DTYPES, "grad_reduce_dtype",
                 f"must be one of {GRAD_REDUCE_DTYPES} ('' = where XLA computes each gradient)")
-        require(self.objective != "dpo" or bool(self.init_from), "objective",
-                "'dpo' needs init_from: the starting weights are also the frozen reference")
+        require(self.objective == "lm" or bool(self.init_from), "objective",
+                f"{self.objective!r} needs init_from: the starting weights (and the frozen reference)")
         require(self.objective != "dpo" or (self.batch_size // self.grad_accum_steps) % 2 == 0, "batch_size",
                 "must give an even number of rows per microbatch for 'dpo' "
                 "(a chosen and a rejected row per pair)")

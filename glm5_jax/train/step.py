@@ -32,6 +32,7 @@ from glm5_jax.model.transformer import apply_model, param_logical_axes, param_sh
 from glm5_jax.parallel import sharding
 from glm5_jax.parallel.logical import mesh_axes
 from glm5_jax.train.dpo import dpo_loss
+from glm5_jax.train.grpo import grpo_loss
 from glm5_jax.train.loss import expert_loads, language_model_losses, shifted_targets, token_cross_entropy
 from glm5_jax.train.settings import TrainSettings
 
@@ -175,12 +176,16 @@ def make_loss_fn(config: ModelConfig, settings: TrainSettings, options: Executio
         options = options.replace(dsa_stage=settings.dsa_stage)
 
     def loss_fn(params, micro: Batch):
-        dpo = settings.objective == "dpo"
+        dpo, grpo = settings.objective == "dpo", settings.objective == "grpo"
+        with_mtp = bool(config.num_mtp_layers) and not dpo and not (grpo and not settings.mtp_loss_weight)
         outputs = apply_model(config, params, micro["input_ids"], micro["positions"],
-                              micro["segment_ids"], with_mtp=bool(config.num_mtp_layers) and not dpo,
+                              micro["segment_ids"], with_mtp=with_mtp,
                               collect_intermediates=True, options=options)
         if dpo:  # pairs against the frozen reference's log-probs, which travel in the batch
             loss, metrics = dpo_loss(outputs["logits"], micro, settings.dpo_beta)
+            return loss, (metrics, expert_loads(outputs["intermediates"]))
+        if grpo:  # rollouts: the engine's log-probs, advantages and token weights travel in the batch
+            loss, metrics = grpo_loss(outputs, micro, settings.grpo, settings.mtp_loss_weight)
             return loss, (metrics, expert_loads(outputs["intermediates"]))
         loss, metrics = language_model_losses(
             outputs, micro["input_ids"], micro["segment_ids"],
