@@ -101,23 +101,22 @@ def test_exact_resume_after_sigkill_and_sigterm(tmp_path, data_glob, uninterrupt
 
 @pytest.fixture(scope="module")
 def exported(uninterrupted, tmp_path_factory):
-    """The run exported to an HF checkpoint directory."""
+    """The run exported to an HF checkpoint directory by `python -m glm5_jax.export`'s main,
+    in-process (a process paid ~10 s of imports for it)."""
+    from glm5_jax import export
+
     output = tmp_path_factory.mktemp("exported") / "hf"
-    result = subprocess.run([sys.executable, "-m", "glm5_jax.export", "--workdir",
-                             str(uninterrupted), "--output", str(output)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    export.main(["--workdir", str(uninterrupted), "--output", str(output)])
     return output
 
 
 @pytest.mark.xdist_group("train_cli_run")
-def test_generate_and_export_from_the_run(uninterrupted, exported):
-    result = subprocess.run(
-        [sys.executable, "-m", "glm5_jax.generate", "--checkpoint", str(uninterrupted),
-         "--prompt", "def ", "--max-new-tokens", "4", "--seed", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("def ")
+def test_generate_and_export_from_the_run(uninterrupted, exported, capsys):
+    from glm5_jax import generate  # `python -m glm5_jax.generate`'s main, in-process
+
+    generate.main(["--checkpoint", str(uninterrupted), "--prompt", "def ", "--max-new-tokens", "4",
+                   "--seed", "1"])
+    assert capsys.readouterr().out.startswith("def ")
 
     output = exported
     assert (output / "tokenizer.json").exists() and (output / "config.json").exists()
@@ -147,11 +146,11 @@ def test_help_texts_are_whole(capsys):
 
 def setup_error(workdir, data, **changes) -> str:
     """train.py's set-up (`setup_run`, what its main runs first) on tests/train_config.py with
-    `changes` ("model.num_expert_groups": 3): the SystemExit message it ends with. In-process: a
-    train.py process per bad input paid ~10 s of start-up for a message. That train.py turns such a
-    SystemExit into exit status 1 and the message on stderr is checked with real processes by
-    test_damaged_latest_checkpoint_falls_back_to_the_previous_step ("error: no usable checkpoint")
-    and tests/parallel/test_multihost.py ("error: bad config: batch_size=6 ...")."""
+    `changes` ("model.num_expert_groups": 3): the SystemExit message it ends with. In-process:
+    train.py turning such a SystemExit into exit status 1 and the message on stderr is checked with
+    real processes by test_damaged_latest_checkpoint_falls_back_to_the_previous_step ("error: no
+    usable checkpoint"), tests/parallel/test_multihost.py ("error: bad config: batch_size=6 ...")
+    and test_unknown_config_field_is_named."""
     from train_config import get_config
 
     from glm5_jax.train.loop import setup_run
@@ -179,6 +178,14 @@ def test_bad_inputs_are_named(tmp_path, data_glob):
     blocker.write_text("not a directory")
     unwritable = blocker / "run"
     assert f"error: run directory {unwritable} is not writable" in setup_error(unwritable, data_glob)
+
+
+def test_unknown_config_field_is_named(tmp_path, data_glob):
+    """A --config override of a field the config file lacks (tests/train_config.py sets no
+    num_expert_groups): train.py exits non-zero naming it (absl's config flags check it)."""
+    result = run_train(tmp_path / "run", data_glob, "--config.model.num_expert_groups=3")
+    assert result.returncode != 0
+    assert "num_expert_groups" in result.stderr + result.stdout
 
 
 def test_non_finite_steps_stop_the_run(tmp_path, data_glob):
