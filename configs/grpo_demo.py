@@ -27,17 +27,18 @@ def get_config(argument: str = "runs/grpo_sft_demo") -> ml_collections.ConfigDic
     config.tasks = [ARITHMETIC]
     config.rewards = [dict(kind="arithmetic", weight=1.0)]
     config.grpo = ml_collections.ConfigDict(dict(
-        prompts_per_step=8, group_size=8, max_new_tokens=8, temperature=1.0, top_p=1.0,
+        prompts_per_step=16, group_size=8, max_new_tokens=8, temperature=1.0, top_p=1.0,
         advantage="std", aggregation="token", clip_low=0.2, clip_high=0.28, kl_coef=0.0,
-        off_policy=0, engine_slots=64, engine_token_budget=256, engine_page_size=16, eval_prompts=200))
+        off_policy=0, engine_slots=64, engine_token_budget=256, engine_page_size=16, eval_prompts=200,
+        eval_samples=8))
     config.execution = ml_collections.ConfigDict(dict(moe_impl="blocked"))
-    config.data = ml_collections.ConfigDict(dict(seq_len=64))  # packed row length
+    config.data = ml_collections.ConfigDict(dict(seq_len=128))  # packed row length
     config.trainable = ()
     config.frozen = ()
     config.num_train_steps = 100
-    config.batch_size = 4  # the least rows per step (more when the rollouts need them)
+    config.batch_size = 8  # the least rows per step (more when the rollouts need them)
     config.grad_accum_steps = 1
-    config.learning_rate = 2e-5
+    config.learning_rate = 1e-4
     config.warmup_steps = 5
     config.min_learning_rate_ratio = 1.0
     config.weight_decay = 0.0

@@ -21,8 +21,8 @@ def get_config(argument: str = "runs/demo") -> ml_collections.ConfigDict:
     config.data.sources[0]["name"] = "arithmetic"
     config.data.seq_len = 64
     config.batch_size = 16
-    config.num_train_steps = 150
-    config.learning_rate = 1e-3
-    config.eval_every = 50
-    config.checkpoint_every = 150
+    config.num_train_steps = 400  # ~20 epochs of the 258 training questions: 88% of them right, 51%
+    config.learning_rate = 1e-3  # of the held-out ones (greedy), docs/finetuning.md
+    config.eval_every = 100
+    config.checkpoint_every = 400
     return config

@@ -174,16 +174,29 @@ def run_grpo(config: ml_collections.ConfigDict, workdir_path: str) -> None:
         return rollouts, seconds
 
     def evaluate_held_out() -> dict[str, float]:
+        """Greedy answers (heldout/reward) and, with eval_samples, sampled ones at the rollout
+        temperature (heldout/sampled_reward: each prompt's mean over its samples, the interval
+        over prompts)."""
         if not evaluated_tasks:
             return {}
-        rollouts, _ = worker.generate(prompts_of(evaluated_tasks, range(len(evaluated_tasks))), samples=1,
-                                      max_new_tokens=grpo.max_new_tokens, temperature=0.0, top_p=1.0,
-                                      seeds=lambda position, sample: 0)
-        scored = rewards.score(evaluated_tasks, [r.text for r in rollouts], in_reasoning=grpo.enable_thinking)
-        mean, low, high = mean_interval([reward.total for reward in scored])
-        record = {"heldout/reward": mean, "heldout/reward_low": low, "heldout/reward_high": high}
-        record.update({f"heldout/{key}": value for key, value in summary(scored).items()
-                       if key != "reward/mean"})
+        prompts = prompts_of(evaluated_tasks, range(len(evaluated_tasks)))
+        record = {}
+        for name, samples, temperature in (("reward", 1, 0.0), ("sampled_reward", grpo.eval_samples,
+                                                                 grpo.temperature)):
+            if not samples:
+                continue
+            rollouts, _ = worker.generate(prompts, samples=samples, max_new_tokens=grpo.max_new_tokens,
+                                          temperature=temperature, top_p=grpo.top_p,
+                                          seeds=lambda position, sample: sample_seed(settings.seed, -1,
+                                                                                     position, sample))
+            scored = rewards.score([evaluated_tasks[r.task_index] for r in rollouts],
+                                   [r.text for r in rollouts], in_reasoning=grpo.enable_thinking)
+            per_prompt = np.array([reward.total for reward in scored]).reshape(-1, samples).mean(axis=1)
+            mean, low, high = mean_interval(per_prompt)
+            record.update({f"heldout/{name}": mean, f"heldout/{name}_low": low, f"heldout/{name}_high": high})
+            if samples == 1:
+                record.update({f"heldout/{key}": value for key, value in summary(scored).items()
+                               if key != "reward/mean"})
         return record
 
     # ---------------------------------------------------------------- loop

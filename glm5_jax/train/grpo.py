@@ -67,8 +67,10 @@ class GRPOSettings:
     engine_slots: int = 32
     engine_token_budget: int = 256
     engine_page_size: int = 16
-    # Held-out evaluation: greedy answers to this many held-out prompts every eval_every steps.
+    # Held-out evaluation every eval_every steps: greedy answers to this many held-out prompts, and
+    # eval_samples sampled ones each at the rollout temperature (0: greedy only).
     eval_prompts: int = 100
+    eval_samples: int = 0
 
     @classmethod
     def from_dict(cls, values) -> GRPOSettings:
@@ -99,6 +101,8 @@ class GRPOSettings:
         require(0 <= self.clip_low < 1 and self.clip_high >= 0, "clip_low",
                 "clip_low must be in [0, 1) and clip_high >= 0")
         require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        require(isinstance(self.eval_samples, int) and self.eval_samples >= 0, "eval_samples",
+                "must be an integer >= 0 (0: greedy evaluation only)")
         require(self.off_policy in (0, 1), "off_policy", "must be 0 (on-policy) or 1 (one step stale)")
         require(isinstance(self.enable_thinking, bool), "enable_thinking", "must be True or False")
 

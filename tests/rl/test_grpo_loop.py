@@ -67,7 +67,7 @@ def grpo_config(init_from, steps: int) -> ml_collections.ConfigDict:
     config.rewards = [dict(kind="python", function=f"{__file__}:completion_length_reward")]
     config.grpo = ml_collections.ConfigDict(dict(
         prompts_per_step=2, group_size=3, max_new_tokens=4, kl_coef=0.05, off_policy=1, engine_slots=8,
-        engine_token_budget=64, eval_prompts=4))
+        engine_token_budget=64, eval_prompts=4, eval_samples=2))
     config.execution = ml_collections.ConfigDict(dict(moe_impl="dense"))
     config.data = ml_collections.ConfigDict(dict(seq_len=64))
     config.num_train_steps = steps
@@ -93,7 +93,8 @@ def test_grpo_runs_and_resumes_exactly(init_run, tmp_path):
     whole = tmp_path / "whole"
     run_grpo(grpo_config(init_run, 3), str(whole))
     metrics = records(whole)
-    assert {"heldout/reward", "heldout/reward_low", "heldout/reward_high"} <= set(metrics[0])
+    assert {"heldout/reward", "heldout/reward_low", "heldout/reward_high", "heldout/sampled_reward",
+            "heldout/sampled_reward_low", "heldout/sampled_reward_high"} <= set(metrics[0])
     for step in (1, 2, 3):
         for key in ("loss", "pg_loss", "kl", "mtp_loss", "reward/mean", "reward/python", "staleness",
                     "rollout_tokens_per_second", "log_prob_gap"):
