@@ -101,9 +101,17 @@ def plot(records: list[dict], path: Path, window: int) -> None:
     errors = [[evaluations[s][0] - evaluations[s][1] for s in at],
               [evaluations[s][2] - evaluations[s][0] for s in at]]
     left.errorbar(at, means, yerr=errors, fmt="o-", capsize=4, label="held-out reward (greedy, 95% CI)")
+    keys = ("heldout/sampled_reward", "heldout/sampled_reward_low", "heldout/sampled_reward_high")
+    sampled = {r["step"]: tuple(r[key] for key in keys) for r in records if keys[0] in r}
+    if sampled:
+        at = sorted(sampled)
+        below = [sampled[s][0] - sampled[s][1] for s in at]
+        above = [sampled[s][2] - sampled[s][0] for s in at]
+        left.errorbar([s + 1 for s in at], [sampled[s][0] for s in at], yerr=[below, above], fmt="s--",
+                      capsize=4, label="held-out reward (sampled, 95% CI)")
     left.set_xlabel("GRPO step")
     left.set_ylabel("reward (exact match)")
-    left.legend(loc="lower right")
+    left.legend(loc="upper left", fontsize=8)
     left.set_title("GRPO on templated arithmetic (demo model)")
     rollout = [r["rollout_seconds"] for r in records if "rollout_seconds" in r]
     train = [r["train_seconds"] for r in records if "train_seconds" in r]
@@ -111,7 +119,7 @@ def plot(records: list[dict], path: Path, window: int) -> None:
     right.plot(steps[:len(train)], train, label="train step")
     right.set_xlabel("GRPO step")
     right.set_ylabel("seconds")
-    right.set_title("where a step's time goes")
+    right.set_title("where a step's time goes (step 1 compiles)")
     right.legend()
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
