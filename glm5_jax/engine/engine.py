@@ -241,6 +241,11 @@ class Engine:
         self._ids = itertools.count()
         self._seed_source = np.random.default_rng(seed)
         self._compiles = 0
+        # Warm-up (warm_up, _compile_all): True until every step shape is compiled; warm_up_done of
+        # warm_up_total shapes so far (serve.py's /health reports them while the server starts).
+        self.warming_up = False
+        self.warm_up_done = self.warm_up_total = 0
+        self._on_warm_up_progress = None  # on_progress(done, total), called on the engine thread
         self._consecutive_failures = 0
         self.steps = 0
         self.overlapped_calls = 0  # decode calls dispatched before the previous call's tokens were read
@@ -362,17 +367,28 @@ class Engine:
             if constraint.after else []
         return self._grammars.start(constraint, self.tokenizer), after[0] if len(after) == 1 else None
 
-    def warm_up(self, timeout: float = 600.0) -> None:
+    def warm_up(self, timeout: float = 600.0, wait: bool = True, on_progress=None) -> threading.Event:
         """Compiles every step shape (decode row buckets, chunk geometries), sampler slot setup
-        and page copies on the engine thread, so that requests do not pay for compilation."""
+        and page copies on the engine thread, so that requests do not pay for compilation.
+        Meanwhile `warming_up` is True and `warm_up_done` of `warm_up_total` shapes are done
+        (each decode bucket, chunk geometry and the copies, twice); on_progress(done, total) is
+        called on the engine thread after each. wait=False returns at once (serve.py listens while
+        it compiles); the returned event is set when warm-up has ended (then check `failure`)."""
+        shapes = len(decode_buckets(self.max_slots)) + len(chunk_geometries(self.token_budget)) + 1
+        self.warm_up_done, self.warm_up_total = 0, 2 * shapes  # _compile_all's two rounds
+        self._on_warm_up_progress = on_progress
+        self.warming_up = True  # before the task is queued: no moment in which a caller sees "ready"
         done = threading.Event()
         with self._lock:
             self._tasks.append((self._compile_all, done))
         self._wakeup.set()
+        if not wait:
+            return done
         if not done.wait(timeout):
             raise TimeoutError(f"warm-up did not finish within {timeout} s")
         if self.failure is not None:
             raise EngineUnavailableError(f"the engine failed during warm-up: {self.failure}")
+        return done
 
     def load_weights(self, params, timeout: float = 600.0) -> None:
         """Serves `params` from the next request on, without a checkpoint round trip (RL: the
@@ -741,8 +757,15 @@ class Engine:
 
     # ------------------------------------------------------------------ warm-up
     def _compile_all(self) -> None:
-        """Runs every step shape once on padding only (nothing written, no sampler state changes)."""
+        """Runs every step shape once on padding only (nothing written, no sampler state changes),
+        counting each in warm_up_done."""
         runner = self.runner
+
+        def shape_done():
+            self.warm_up_done += 1
+            if self._on_warm_up_progress is not None:
+                self._on_warm_up_progress(self.warm_up_done, self.warm_up_total)
+
         for _ in range(2):  # the second round compiles what a cache that came out of a step needs
             for rows in decode_buckets(self.max_slots):
                 inputs = runner.padding_decode(rows)
@@ -754,10 +777,12 @@ class Engine:
                     call = runner.launch_speculative(**inputs, limits=limits, steps=self.decode_steps)
                     inputs.update(tokens=call.tokens, positions=call.positions, remaining=call.remaining)
                     runner.fetch(runner.launch_speculative(**inputs, limits=limits, steps=self.decode_steps))
+                shape_done()
             for geometry in chunk_geometries(self.token_budget):
                 unused = np.zeros(self.max_slots, np.int32)
                 mask = np.zeros(self.max_slots, bool)
                 runner.mixed_step(runner.padding_batch(*geometry), unused, unused, mask)
+                shape_done()
             runner.write_slot(0, runner.read_slot(0))
             if self.state_snapshots:  # out-of-range targets: compiled, nothing written
                 runner.save_state(0, self.state_snapshots)
@@ -765,7 +790,8 @@ class Engine:
             runner.set_slot(0, SamplingParams(), [0], 0)
             if self.pages.host_pages:
                 self._reload(0, self._offload(0))
-
+            shape_done()
+        self.warming_up = False
 
 def warm_up(engine: Engine, prompt_lengths=(), timeout: float = 600.0) -> None:
     """Compiles everything steady-state serving runs (see Engine.warm_up). prompt_lengths is
