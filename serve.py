@@ -28,10 +28,12 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
-# The execution flags' one definition (plain tuples and argparse: --help needs no JAX).
+# The execution and cache flags' one definition (plain tuples and argparse: --help needs no JAX).
+from glm5_jax.compile_cache import add_compilation_cache_flags
 from glm5_jax.execution_flags import EXECUTION_FLAGS, add_execution_flags
 from glm5_jax.execution_flags import QUANTIZED_MATMUL_IMPLS as QUANTIZED_MATMUL_CHOICES  # noqa: F401
 
@@ -118,6 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="quantize the weights on load with this recipe name or file "
                              "(glm5_jax.train.runs.load_any; default: as stored)")
     add_execution_flags(parser, EXECUTION_FLAGS)
+    add_compilation_cache_flags(parser)
     parser.add_argument("--reasoning-parser", choices=("glm45", "none"), default="glm45",
                         help="chat answers: glm45 returns the <think> block as reasoning_content (and "
                              "reasoning) apart from content, as vLLM's --reasoning-parser glm45 does; none "
@@ -237,6 +240,32 @@ def serve_until_failure(server, engine, poll_seconds: float = 0.5, linger_second
     return engine.failure
 
 
+class WarmUpLog:
+    """Engine.warm_up's on_progress: a line per step shape compiled, with the time so far and an
+    estimate of the time left (the shapes left at the mean rate so far)."""
+
+    def __init__(self, started: float):
+        self.started = started
+
+    def __call__(self, done: int, total: int) -> None:
+        elapsed = time.monotonic() - self.started
+        left = elapsed / done * (total - done)
+        print(f"compiled step shape {done} of {total} ({elapsed:.1f} s; about {left:.0f} s left)", flush=True)
+
+
+def announce_ready(engine, warmed: threading.Event, cache_dir: str | None, started: float, hits) -> None:
+    """Waits for the warm-up and says the server is ready (a failed warm-up is the engine's
+    failure: serve_until_failure stops the server and serve.py exits 1). hits: a CacheHits."""
+    from glm5_jax.compile_cache import cache_entries
+
+    warmed.wait()
+    if engine.failure is None:
+        print(f"ready: {engine.warm_up_total} step shapes warm in {time.monotonic() - started:.1f} s "
+              f"({engine.compile_count} programs compiled or loaded since the engine started; {hits.count} "
+              f"loaded from the compilation cache in all, which holds {cache_entries(cache_dir)})",
+              flush=True)
+
+
 class Processes(NamedTuple):
     index: int
     count: int
@@ -290,6 +319,10 @@ def main(argv=None) -> int:
         from glm5_jax.host_memory import reuse_freed_memory
 
         reuse_freed_memory()
+    from glm5_jax.compile_cache import CacheHits, cache_entries, enable_compilation_cache
+
+    cache_dir = enable_compilation_cache(args.compilation_cache_dir)  # before anything compiles
+    hits = CacheHits()
     checkpoint = resolve_checkpoint(args.checkpoint)
     server_config = read_server_config(args.server_config)  # before the slow model load
     from glm5_jax.parallel.distributed import initialize_distributed
@@ -301,7 +334,7 @@ def main(argv=None) -> int:
     from glm5_jax.api.http_server import make_server, raise_open_file_limit
     from glm5_jax.api.metrics import ServerMetrics
     from glm5_jax.chat.template import load_chat_template, load_special_tokens
-    from glm5_jax.engine.engine import Engine, warm_up
+    from glm5_jax.engine.engine import Engine
     from glm5_jax.model.config import ConfigError
     from glm5_jax.model.paged_decode import state_bytes_per_sequence
     from glm5_jax.parallel.mesh import MeshError
@@ -352,14 +385,20 @@ def main(argv=None) -> int:
                      reasoning_parser=args.reasoning_parser, feedback_log=feedback_log,
                      body_timeout_s=args.read_timeout,
                      default_template_kwargs=template_defaults)
-    print("compiling the engine step...", flush=True)
-    warm_up(engine)
+    # Listen at once and compile in the background: until every step shape is compiled, /health
+    # answers 503 "starting" with the progress and generation requests 503 with Retry-After.
+    print(f"compiling the engine's step shapes in the background (compilation cache: "
+          f"{cache_dir or 'off'}, {cache_entries(cache_dir)} programs in it)", flush=True)
+    started = time.monotonic()
+    warmed = engine.warm_up(wait=False, on_progress=WarmUpLog(started))
+    threading.Thread(target=announce_ready, args=(engine, warmed, cache_dir, started, hits),
+                     name="warm-up-watch", daemon=True).start()
     aliases = f" (aliases: {', '.join(server_config.model_aliases)})" if server_config.model_aliases else ""
     on = f", mesh {args.mesh}" if args.mesh else ""
     if processes:
         on += f" over {processes.count} processes ({cross_process_axes(placed['mesh'])})"
-    print(f"serving {model_id!r}{aliases} from {checkpoint} at http://{args.host}:{args.port}/v1 "
-          f"(max_context {engine.max_context}, {args.max_slots} slots{on}, metrics at /metrics; "
+    print(f"serving {model_id!r}{aliases} from {checkpoint} at http://{args.host}:{args.port}/v1 once "
+          f"compiled (max_context {engine.max_context}, {args.max_slots} slots{on}, metrics at /metrics; "
           f"{options.dtype}, moe_impl {options.moe_impl}, scan_unroll {options.scan_unroll}, "
           f"decode attention {options.decode_attention_impl})",
           flush=True)

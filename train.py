@@ -53,6 +53,7 @@ from pathlib import Path
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from glm5_jax.compile_cache import CACHE_HELP, default_cache_dir, enable_compilation_cache
 from glm5_jax.host_memory import reuse_freed_memory
 from glm5_jax.parallel.distributed import (
     MODES,
@@ -70,6 +71,12 @@ _REUSE_HOST_MEMORY = flags.DEFINE_bool(
     "reuse_host_memory", True, "Keep freed host memory for reuse (glibc malloc: one heap, never "
     "trimmed), so a CPU step's temporaries do not page-fault in again each step (moe16 train step "
     "-25%); the process keeps its peak memory (glm5_jax/host_memory.py).")
+_COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir", None, f"{CACHE_HELP} (default: $JAX_COMPILATION_CACHE_DIR, else "
+    "~/.cache/glm5_jax/xla).")
+_COMPILATION_CACHE = flags.DEFINE_bool(
+    "compilation_cache", True, "Use JAX's persistent compilation cache (--nocompilation_cache: compile "
+    "everything, read and write no cache).")
 # Multi-process runs (python -m glm5_jax.launch, or a cluster: docs/scaling.md).
 _DISTRIBUTED = flags.DEFINE_enum(
     "distributed", "auto", list(MODES), "Join jax.distributed: auto (when the environment names a "
@@ -91,6 +98,9 @@ def main(argv):
     del argv
     if _REUSE_HOST_MEMORY.value:  # before JAX starts its CPU threads
         reuse_freed_memory()
+    # Before anything compiles: a resumed or repeated run loads its programs instead.
+    enable_compilation_cache((_COMPILATION_CACHE_DIR.value or default_cache_dir())
+                             if _COMPILATION_CACHE.value else None)
     logging.set_verbosity(logging.WARNING)  # orbax reports every file it writes at INFO
     # Multi-process: JAX's runtime from the launcher's or the cluster's environment; else no-op.
     distributed = initialize_distributed(Timeouts(initialization=_INITIALIZATION_TIMEOUT.value,

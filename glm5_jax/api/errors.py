@@ -1,9 +1,10 @@
 """OpenAI-style errors for the HTTP API: the {"error": {"message", "type", "param", "code"}} body, and
 the app's exception handlers that turn every failure into one.
 
-Client mistakes are 400s naming the parameter; overload and a failed engine are 503s (a full queue
-with Retry-After); anything unexpected is a 500 whose message is generic ("Internal server error",
-with the request id when there is one) while the details go to the log.
+Client mistakes are 400s naming the parameter; overload, a starting server and a failed engine are
+503s (a full queue and a starting server with Retry-After); anything unexpected is a 500 whose
+message is generic ("Internal server error", with the request id when there is one) while the
+details go to the log.
 """
 
 from __future__ import annotations
@@ -55,6 +56,24 @@ def shutting_down_error() -> APIError:
     """503 for a request a drain refused or ended: the client should retry (on another replica)."""
     return APIError(503, "The server is shutting down; retry the request", code="shutting_down",
                     kind="server_error", headers={"Retry-After": "1"})
+
+
+STARTING_RETRY_AFTER_S = 5  # a step shape compiles in seconds to a minute; clients poll at this pace
+
+
+def warm_up_progress(engine) -> dict | None:
+    """{"done": k, "total": n} step shapes compiled while the engine warms up (serve.py listens
+    meanwhile), else None (also once the engine has failed: then it is unavailable, not starting)."""
+    if not getattr(engine, "warming_up", False) or getattr(engine, "failure", None) is not None:
+        return None
+    return {"done": engine.warm_up_done, "total": engine.warm_up_total}
+
+
+def starting_error(progress: dict) -> APIError:
+    """503 for a generation request that came before the engine was warm: the client should retry."""
+    return APIError(503, f"The server is starting: compiling step shapes {progress['done']} of "
+                         f"{progress['total']}; retry in {STARTING_RETRY_AFTER_S} s", code="starting",
+                    kind="server_error", headers={"Retry-After": str(STARTING_RETRY_AFTER_S)})
 
 
 def internal_error_message(request_id: str | None) -> str:

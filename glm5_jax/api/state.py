@@ -21,7 +21,7 @@ from glm5_jax.api.accounting import AccountedGeneration
 from glm5_jax.api.body import parse_body, text_chars
 from glm5_jax.api.chat_constraints import InvalidFieldError
 from glm5_jax.api.choices import Choices
-from glm5_jax.api.errors import APIError, shutting_down_error
+from glm5_jax.api.errors import APIError, shutting_down_error, starting_error, warm_up_progress
 from glm5_jax.api.limits import RateLimited, RateLimiter, Reservation
 from glm5_jax.api.metrics import ServerMetrics
 from glm5_jax.api.protocol import SamplingRequest
@@ -72,10 +72,13 @@ class AppState:
         return await parse_body(request, model, self.max_body_bytes, self.body_timeout_s)
 
     async def receive(self, request: Request, model: type[BaseModel], id_prefix: str):
-        """A generation request's start: its id (`id_prefix` + a random hex), counted against the
-        caller's limits before any work, its body read and validated, the model name checked.
+        """A generation request's start: its id (`id_prefix` + a random hex), refused (503) while
+        the engine is still compiling, counted against the caller's limits before any work, its
+        body read and validated, the model name checked.
         Returns (request id, reservation, body)."""
         request.state.request_id = request_id = f"{id_prefix}{uuid.uuid4().hex}"
+        if (progress := warm_up_progress(self.engine)) is not None:  # before any work; not charged
+            raise starting_error(progress)
         reservation = self.admit(request)
         body = await self.parse(request, model)
         self.check_model(body.model)
