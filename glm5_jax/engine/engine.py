@@ -63,6 +63,7 @@ from glm5_jax.engine.scheduler import (
     chunk_geometries,
     decode_buckets,
 )
+from glm5_jax.engine.timing import StepTiming
 from glm5_jax.engine.types import (
     SHUTTING_DOWN,
     EngineUnavailableError,
@@ -171,7 +172,8 @@ class Engine:
     builds the runner from ModelRunner's arguments (multi-process serving passes
     multihost.mirrored_runner_factory). state_snapshots: a hybrid model's KDA state snapshots for
     prefix caching (each state_bytes_per_sequence bytes on the device; None = max_slots; 0 =
-    prefix caching off for it); ignored for other models."""
+    prefix caching off for it); ignored for other models. timing: record the host time of every
+    device call and the device's busy intervals (`self.timing`, glm5_jax/engine/timing.py)."""
 
     def __init__(self, config: ModelConfig, params, tokenizer: tokenizers.Tokenizer | None, *,
                  max_slots: int = 8, max_context: int = 1024, seed: int | None = None, page_size: int = 16,
@@ -180,7 +182,7 @@ class Engine:
                  max_waiting: int | None = None, decode_steps: int = DEFAULT_DECODE_STEPS, options=None,
                  block_positions: int = DEFAULT_BLOCK_POSITIONS, max_consecutive_failures: int = 3,
                  mesh=None, speculative_tokens: int = 0, runner_factory=ModelRunner,
-                 state_snapshots: int | None = None):
+                 state_snapshots: int | None = None, timing: bool = False):
         if max_slots < 1 or max_context < 2:
             raise ValueError(f"max_slots ({max_slots}) must be >= 1 and max_context ({max_context}) >= 2")
         if page_size < 1:
@@ -221,6 +223,8 @@ class Engine:
         snapshots = {"state_snapshots": self.state_snapshots} if self.state_snapshots else {}
         self.max_consecutive_failures = max_consecutive_failures
         self.observer = observer or EngineObserver()
+        # Opt-in: host time per device call and the device's idle share (glm5_jax/engine/timing.py).
+        self.timing = StepTiming(timing)
         self.runner = runner_factory(config, params, max_slots=max_slots, num_pages=num_pages,
                                      page_size=page_size, max_pages=self.max_pages, options=options,
                                      block_positions=block_positions, mesh=mesh,
@@ -477,7 +481,7 @@ class Engine:
             while not self._stopping.is_set():
                 plan = following = None
                 tasks = []
-                with self._lock:
+                with self.timing.host("plan"), self._lock:
                     self._drop_cancelled()
                     self._admit()
                     if in_flight is not None:
@@ -638,15 +642,23 @@ class Engine:
         """Dispatches the plan's decode call (speculative rounds when `_speculating`); a
         continuation (`after` the call before it, same rows) takes each row's token, position
         and remaining count from that call's device state."""
-        inputs, limits = decode_inputs(self.runner, plan, self.max_slots, self.page_size, self.eos_token_ids)
-        if after is not None:
-            inputs.update(tokens=after.tokens, positions=after.positions, remaining=after.remaining)
-        logprobs_wanted = self._logprobs_wanted(plan.sequences)
-        if self._speculating(plan.sequences):
-            return self.runner.launch_speculative(**inputs, limits=limits, steps=plan.steps,
-                                                  logprobs_wanted=logprobs_wanted)
-        return self.runner.launch_decode(**inputs, steps=plan.steps, logprobs_wanted=logprobs_wanted,
-                                         allowed=allowed_bits(self.runner, plan.sequences, len(limits)))
+        with self.timing.host("arrays"):
+            inputs, limits = decode_inputs(self.runner, plan, self.max_slots, self.page_size,
+                                           self.eos_token_ids)
+            if after is not None:
+                inputs.update(tokens=after.tokens, positions=after.positions, remaining=after.remaining)
+            logprobs_wanted = self._logprobs_wanted(plan.sequences)
+            speculating = self._speculating(plan.sequences)
+            allowed = None if speculating else allowed_bits(self.runner, plan.sequences, len(limits))
+        with self.timing.host("dispatch"):
+            if speculating:
+                call = self.runner.launch_speculative(**inputs, limits=limits, steps=plan.steps,
+                                                      logprobs_wanted=logprobs_wanted)
+            else:
+                call = self.runner.launch_decode(**inputs, steps=plan.steps, logprobs_wanted=logprobs_wanted,
+                                                 allowed=allowed)
+        self.timing.dispatched("decode", len(plan.sequences), plan.steps, call.outputs)
+        return call
 
     @staticmethod
     def _needs_host(plan: DecodePlan) -> bool:
@@ -657,11 +669,12 @@ class Engine:
         """Waits for a decode call's tokens and delivers them (a sequence that finished on the
         host meanwhile, or in an earlier call, has no slot: its rows are discarded)."""
         plan = in_flight.plan
-        sampled = self.runner.fetch(in_flight.call)
+        with self.timing.host("fetch"):
+            sampled = self.runner.fetch(in_flight.call)
         if in_flight.call.speculation is not None:
             self.speculation += np.asarray(in_flight.call.speculation)
             self.observer.on_speculation(*(int(c) for c in np.asarray(in_flight.call.speculation)))
-        with self._lock:
+        with self.timing.host("deliver"), self._lock:
             for step in range(sampled.tokens.shape[0]):
                 for row, sequence in enumerate(plan.sequences):
                     token = int(sampled.tokens[step, row])
@@ -672,13 +685,16 @@ class Engine:
 
     def _mixed(self, plan: MixedPlan) -> None:
         chunk_len = plan.geometry[1]
-        inputs = mixed_inputs(self.runner, plan, self.max_slots, bool(self.speculative_tokens))
-        sampled_index = inputs.sampled
+        with self.timing.host("arrays"):
+            inputs = mixed_inputs(self.runner, plan, self.max_slots, bool(self.speculative_tokens))
+            sampled_index = inputs.sampled
+            allowed = allowed_bits(self.runner, inputs.by_index, self.max_slots)
+        started = time.perf_counter()
         sampled, scored = self.runner.mixed_step(inputs.batch, inputs.sample_rows, inputs.slots, inputs.mask,
-                                                 self._logprobs_wanted(sampled_index),
-                                                 allowed_bits(self.runner, inputs.by_index, self.max_slots),
+                                                 self._logprobs_wanted(sampled_index), allowed,
                                                  inputs.targets, inputs.next_tokens)
-        with self._lock:
+        self.timing.ran("mixed", len(plan.decodes) + len(plan.chunks), 1, started)
+        with self.timing.host("deliver"), self._lock:
             for sequence in plan.decodes:
                 if sequence.slot is not None:
                     self.scheduler.computed(sequence, 1)

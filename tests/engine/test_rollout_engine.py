@@ -17,6 +17,7 @@ from reference import perturbed_params
 from streams import events_of
 
 from glm5_jax.engine.engine import Engine
+from glm5_jax.engine.timing import summarize
 from glm5_jax.engine.types import InvalidRequestError, SamplingParams
 from glm5_jax.model.transformer import apply_model
 
@@ -36,7 +37,8 @@ def model(tiny_config):
 @pytest.fixture(scope="module")
 def engine(model):
     config, params_a, _ = model
-    engine = Engine(config, params_a, None, max_slots=2, max_context=MAX_CONTEXT, seed=0, token_budget=16)
+    engine = Engine(config, params_a, None, max_slots=2, max_context=MAX_CONTEXT, seed=0, token_budget=16,
+                    timing=True)  # also the real engine under glm5_jax/engine/timing.py (last test)
     yield engine
     engine.shutdown()
 
@@ -170,3 +172,19 @@ def test_load_weights_refusals_and_submit_batch_atomicity(model, engine):
         asyncio.run(bad_batch([good, ([1], SamplingParams(logprobs_mode="sampled"))]))
     assert engine.idle and engine.active_requests == 0
     engine.load_weights(params_b)  # idle again: accepted
+
+
+def test_step_timing_records_the_engine_calls(engine):
+    """timing=True: every device call of the module's requests has a record; decode calls are
+    stamped ready by the watcher after their dispatch, and their figures are sane."""
+    engine.timing.settle()
+    records = engine.timing.snapshot()
+    decodes = [r for r in records if r.kind == "decode"]
+    assert decodes and any(r.kind == "mixed" for r in records)
+    assert all(r.ready is not None and r.ready >= r.dispatched and 1 <= r.rows <= 2 for r in records)
+    assert all(r.phases.get("dispatch", 0) > 0 for r in decodes)
+    summary = summarize(decodes)
+    assert summary["calls"] == len(decodes) and summary["steps"] == sum(r.steps for r in decodes)
+    assert summary["host_ms_per_call"] > 0 and summary["device_ms_per_call"] > 0
+    assert 0.0 <= summary["idle_share"] <= 1.0
+
