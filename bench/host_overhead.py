@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from glm5_jax.compile_cache import default_cache_dir, enable_compilation_cache
 from glm5_jax.engine.engine import Engine
 from glm5_jax.engine.textstream import Detokenizer
 from glm5_jax.engine.timing import summarize
@@ -30,7 +31,7 @@ from glm5_jax.train.runs import checkpoint_options, load_any
 
 
 async def run_requests(engine: Engine, tokenizer, count: int, prompt_len: int, output_len: int,
-                       seed: int):
+                       seed: int, detokenize: bool = True):
     rng = np.random.default_rng(seed)
     items = [(rng.integers(10, engine.config.vocab_size - 10, prompt_len).tolist(),
               SamplingParams(max_tokens=output_len, temperature=1.0, seed=seed + i, ignore_eos=True))
@@ -43,8 +44,9 @@ async def run_requests(engine: Engine, tokenizer, count: int, prompt_len: int, o
         async for event in stream:
             if event.token_id is not None:
                 tokens += 1
-                text.push(event.token_id)
-                text.take()
+                if detokenize:
+                    text.push(event.token_id)
+                    text.take()
         return tokens
 
     started = time.perf_counter()
@@ -52,9 +54,11 @@ async def run_requests(engine: Engine, tokenizer, count: int, prompt_len: int, o
     return sum(tokens), time.perf_counter() - started
 
 
-def measure(engine: Engine, tokenizer, running: int, prompt_len: int, output_len: int) -> dict:
+def measure(engine: Engine, tokenizer, running: int, prompt_len: int, output_len: int,
+            detokenize: bool = True) -> dict:
     engine.timing.clear()
-    tokens, seconds = asyncio.run(run_requests(engine, tokenizer, running, prompt_len, output_len, running))
+    tokens, seconds = asyncio.run(run_requests(engine, tokenizer, running, prompt_len, output_len, running,
+                                               detokenize))
     engine.timing.settle()
     records = engine.timing.snapshot()
     steady = [r for r in records if r.kind == "decode" and r.rows == running]
@@ -73,13 +77,17 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=160)
     parser.add_argument("--output", default="", help="write the results as JSON here")
+    parser.add_argument("--no-detokenize", action="store_true",
+                        help="consume the events without detokenising (what the event loop's work costs)")
+    parser.add_argument("--timing-only", action="store_true", help="skip the timing-off baseline pass")
     args = parser.parse_args(argv)
+    enable_compilation_cache(default_cache_dir())  # a second run loads the step programs
     config, params, tokenizer = load_any(args.checkpoint)
     options = checkpoint_options(args.checkpoint)
     counts = [int(n) for n in args.running.split(",")]
     results = []
     for decode_steps in (int(n) for n in args.decode_steps.split(",")):
-        for timing in (False, True):
+        for timing in (True,) if args.timing_only else (False, True):
             engine = Engine(config, params, tokenizer, max_slots=max(counts), token_budget=256,
                             options=options, max_context=args.prompt_len + args.output_len + 8,
                             decode_steps=decode_steps, timing=timing, seed=0)
@@ -88,7 +96,8 @@ def main(argv=None) -> None:
             print(f"decode_steps {decode_steps}, timing {'on' if timing else 'off'}: warmed up in "
                   f"{time.perf_counter() - started:.1f} s", flush=True)
             for running in counts:
-                result = measure(engine, tokenizer, running, args.prompt_len, args.output_len)
+                result = measure(engine, tokenizer, running, args.prompt_len, args.output_len,
+                                 not args.no_detokenize)
                 result.update(running=running, decode_steps=decode_steps, timing=timing)
                 results.append(result)
                 shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
@@ -100,8 +109,8 @@ def main(argv=None) -> None:
           "| fetch wait ms |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for on in (r for r in results if r["timing"]):
-        off = next(r for r in results if not r["timing"] and r["running"] == on["running"]
-                   and r["decode_steps"] == on["decode_steps"])
+        off = next((r for r in results if not r["timing"] and r["running"] == on["running"]
+                    and r["decode_steps"] == on["decode_steps"]), {"tokens_per_second": float("nan")})
         print(f"| {on['decode_steps']} | {on['running']} | {off['tokens_per_second']:.0f} | "
               f"{on['tokens_per_second']:.0f} | {on['host_ms_per_call']:.2f} | "
               f"{on['host_ms_per_step']:.3f} | "
