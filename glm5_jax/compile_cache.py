@@ -6,6 +6,9 @@ compiler flags; a later process that compiles the same program (the same model, 
 options) loads it instead. serve.py compiles every step shape before it serves, so a restart of
 the same server is ready in seconds instead of minutes (docs/serving.md, "Fast restarts").
 
+The cache is trusted: whoever can write to the directory can make the process run their code
+(JAX's documentation), so the default is a per-user directory.
+
 Plain os / argparse at import (no JAX), so that `--help` stays fast; JAX is imported only when the
 cache is turned on, which must happen before the process compiles anything (JAX reads the
 setting at its first compilation).
