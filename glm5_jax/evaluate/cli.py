@@ -208,10 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("httpx", "jax", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.compilation_cache:
-        import jax
+        from glm5_jax.compile_cache import enable_compilation_cache
 
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        enable_compilation_cache(args.compilation_cache)
     try:
         if args.compare:
             paths = report.write_comparison(args.compare, Path(args.output or "eval_results/compare"))
