@@ -101,7 +101,10 @@ def run_grpo(config: ml_collections.ConfigDict, workdir_path: str) -> None:
         if "tasks" not in config or "rewards" not in config:
             raise ValueError("objective='grpo' needs config.tasks (the prompts, glm5_jax/rl/tasks.py) and "
                              "config.rewards (the verifiers, glm5_jax/rl/rewards.py)")
-        seq_len = int(config.data.seq_len)
+        seq_len = (config.get("data") or {}).get("seq_len")
+        if not isinstance(seq_len, int) or seq_len < 2:
+            raise ValueError(f"data.seq_len must be an integer >= 2 (the packed rows' length: prompt + "
+                             f"completion tokens per sequence), got {seq_len!r}")
         rewards = make_rewards([dict(spec) for spec in config.rewards])
         train_tasks, held_out = [], []
         for spec in config.tasks:
@@ -156,6 +159,15 @@ def run_grpo(config: ml_collections.ConfigDict, workdir_path: str) -> None:
                                page_size=grpo.engine_page_size, options=options,
                                enable_thinking=grpo.enable_thinking)
         worker.version = int(state.step)
+    longest = max(len(worker.prompt_ids(task.messages)) for task in train_tasks + evaluated_tasks)
+    if longest >= seq_len:
+        worker.shutdown()
+        raise SystemExit(f"error: bad config: the longest prompt has {longest} tokens, data.seq_len is "
+                         f"{seq_len}: raise data.seq_len above {longest + grpo.max_new_tokens}")
+    if longest + grpo.max_new_tokens > seq_len:
+        print(f"note: prompts of up to {longest} tokens leave completions {seq_len - longest} of "
+              f"grpo.max_new_tokens={grpo.max_new_tokens} tokens in rows of data.seq_len={seq_len}",
+              flush=True)
     metrics_log = MetricsLog(workdir, resume_step)
 
     def prompts_of(tasks, indices):

@@ -113,3 +113,18 @@ def test_grpo_runs_and_resumes_exactly(init_run, tmp_path):
     assert again[3]["staleness"] == 1  # step 3's rollouts, sampled ahead by step 1's weights, were saved
     for key in ("loss", "pg_loss", "kl", "reward/mean", "grad_norm", "log_prob_gap"):
         assert again[3][key] == pytest.approx(metrics[3][key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.__delitem__("tasks"), "needs config.tasks"),
+    (lambda c: c.__delitem__("data"), "data.seq_len must be an integer"),
+    (lambda c: c.__setattr__("mesh", ml_collections.ConfigDict(dict(data=2))), "one process on one device"),
+    (lambda c: c.__setattr__("rewards", [dict(kind="arithmetic", weight="x")]), "weight"),
+])
+def test_bad_grpo_configs_are_named(init_run, tmp_path, change, message):
+    config = grpo_config(init_run, 1)
+    with config.unlocked():
+        change(config)
+    with pytest.raises(SystemExit, match=message):
+        run_grpo(config, str(tmp_path / "bad"))
+
