@@ -97,12 +97,12 @@ class Server:
         self.process.wait(timeout=60)
 
 
-async def stream_one(client, prompt, max_tokens):
+async def stream_one(client, prompt, max_tokens, model="bench"):
     """(TTFT, timestamps of streamed tokens, token count) of one streamed completion."""
     start = time.perf_counter()
     stamps, tokens = [], 0
     stream = await client.completions.create(
-        model="bench", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
@@ -332,13 +332,24 @@ class Reference:
 
     def generate(self, batch: int) -> float:
         """tok/s of `generate` over `batch` prompts (greedy, exactly max_tokens new tokens each)."""
-        args, torch = self.args, self.torch
-        ids = torch.as_tensor(prompts(self.rng, batch, args.prompt_tokens, self.vocab))
+        args = self.args
+        batch_prompts = prompts(self.rng, batch, args.prompt_tokens, self.vocab)
+        return batch * args.max_tokens / self.timed_generate(batch_prompts, args.max_tokens)
+
+    def timed_generate(self, batch: list[list[int]], new_tokens: int) -> float:
+        """Seconds of one `generate` of these prompts as one static batch (greedy, exactly
+        `new_tokens` new tokens each; prompts of unequal length left-padded with 0, masked)."""
+        torch, longest = self.torch, max(len(ids) for ids in batch)
+        device = self.model.device  # the CPU, unless a caller moved the model (bench/serve_sweep.py)
+        ids = torch.as_tensor([[0] * (longest - len(row)) + row for row in batch], device=device)
+        mask = torch.as_tensor([[0] * (longest - len(row)) + [1] * len(row) for row in batch], device=device)
         start = time.perf_counter()
         with torch.no_grad():
-            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens,
-                                min_new_tokens=args.max_tokens, do_sample=False, pad_token_id=0)
-        return batch * args.max_tokens / (time.perf_counter() - start)
+            self.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
 
     def forward(self) -> float:
         """Seconds of one forward of a fresh long prompt."""
