@@ -66,8 +66,8 @@ def grpo_config(init_from, steps: int) -> ml_collections.ConfigDict:
     config.tasks = [dict(kind="arithmetic", count=24, held_out=4, max_operand=5, ops="+")]
     config.rewards = [dict(kind="python", function=f"{__file__}:completion_length_reward")]
     config.grpo = ml_collections.ConfigDict(dict(
-        prompts_per_step=2, group_size=3, max_new_tokens=4, kl_coef=0.05, off_policy=1, engine_slots=8,
-        engine_token_budget=64, eval_prompts=4, eval_samples=2))
+        prompts_per_step=2, group_size=3, max_new_tokens=4, kl_coef=0.05, off_policy=1, engine_slots=4,
+        engine_token_budget=16, eval_prompts=4, eval_samples=2))
     config.execution = ml_collections.ConfigDict(dict(moe_impl="dense"))
     config.data = ml_collections.ConfigDict(dict(seq_len=64))
     config.num_train_steps = steps
