@@ -76,12 +76,15 @@ def data_glob(tmp_path_factory):
     return str(directory / "*.py")
 
 
-# Modules whose tests take longest (docs/testing.md), started first so no worker is left with
-# a long tail at the end; the rest keep their file order.
-SLOW_FIRST = ("test_parallel", "test_multihost", "test_train_cli", "test_serve_mesh", "test_train_step",
-              "test_soak", "test_kernel_switch", "test_kernels_moe", "test_engine", "test_speculative",
-              "test_serve_e2e", "test_hybrid_serving", "test_serve_next", "test_parity_next",
-              "test_structured", "test_model")
+# Modules whose tests take longest (docs/testing.md), most worker time first, started first so no
+# worker is left with a long tail at the end (pyproject's --no-loadscope-reorder makes xdist keep
+# this order; by default it would order its units by their number of tests); the rest keep
+# their file order.
+SLOW_FIRST = ("test_train_cli", "test_multihost", "test_parallel", "test_serve_multihost", "test_serve_mesh",
+              "test_parity_next", "test_kda", "test_grpo_loop", "test_train_step", "test_hybrid_serving",
+              "test_serve_next", "test_notebook", "test_soak", "test_model", "test_serve_e2e", "test_engine",
+              "test_structured", "test_paged_decode", "test_parity", "test_context_parallel",
+              "test_speculative", "test_kernels_moe", "test_kernel_switch")
 
 
 def pytest_collection_modifyitems(config, items):

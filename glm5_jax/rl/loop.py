@@ -64,10 +64,13 @@ def mean_interval(values) -> tuple[float, float, float]:
 def prompt_order(count: int, seed: int, step: int, per_step: int) -> list[int]:
     """The training prompts of optimizer step `step` (1-based): consecutive windows of a fresh
     permutation of the prompts each epoch."""
+    permutations = {}  # one permutation per epoch the step's window touches (at most two)
     indices = []
     for position in range((step - 1) * per_step, step * per_step):
         epoch, offset = divmod(position, count)
-        indices.append(int(np.random.default_rng([seed, epoch]).permutation(count)[offset]))
+        if epoch not in permutations:
+            permutations[epoch] = np.random.default_rng([seed, epoch]).permutation(count)
+        indices.append(int(permutations[epoch][offset]))
     return indices
 
 
