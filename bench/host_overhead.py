@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 
 import numpy as np
@@ -64,7 +65,8 @@ def measure(engine: Engine, tokenizer, running: int, prompt_len: int, output_len
     steady = [r for r in records if r.kind == "decode" and r.rows == running]
     summary = summarize(steady[1:])
     summary.update(tokens_per_second=tokens / seconds, wall_s=seconds,
-                   mixed_calls=sum(r.kind == "mixed" for r in records))
+                   mixed_calls=sum(r.kind == "mixed" for r in records),
+                   load_average=os.getloadavg()[0])  # 2 shared cores: the figures move with the load
     return summary
 
 
@@ -106,8 +108,8 @@ def main(argv=None) -> None:
     print()
     print("| decode steps / call | running | tok/s (timing off) | tok/s (on) | host ms / call "
           "| host ms / step | device ms / call | idle share | plan / arrays / dispatch / deliver ms "
-          "| fetch wait ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| fetch wait ms | host CPU ms / call | load average |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for on in (r for r in results if r["timing"]):
         off = next((r for r in results if not r["timing"] and r["running"] == on["running"]
                     and r["decode_steps"] == on["decode_steps"]), {"tokens_per_second": float("nan")})
@@ -117,7 +119,8 @@ def main(argv=None) -> None:
               f"{on['device_ms_per_call']:.1f} | {on['idle_share']:.1%} | "
               f"{on['plan_ms_per_call']:.2f} / {on['arrays_ms_per_call']:.2f} / "
               f"{on['dispatch_ms_per_call']:.2f} / {on['deliver_ms_per_call']:.2f} | "
-              f"{on['fetch_ms_per_call']:.1f} |")
+              f"{on['fetch_ms_per_call']:.1f} | {on.get('host_cpu_ms_per_call', float('nan')):.2f} | "
+              f"{on['load_average']:.1f} |")
     if args.output:
         with open(args.output, "w") as handle:
             json.dump(results, handle, indent=1)

@@ -17,6 +17,12 @@ has the next call queued while the host handles the last one. Whenever the host 
 first (a request to admit, a cancellation, pages that would need preemption), the call in
 flight is read before the next plan.
 
+Delivery (`glm5_jax.engine.delivery`): a call's tokens are handled per request, not per token:
+each row's tokens are checked as one list, the scheduler hears of them once, and the request's
+stream gets them as one Burst, which the event loop turns into GenerationEvents. The loops are
+woken (one call_soon_threadsafe per loop) once the next call is dispatched, so that building and
+streaming the events runs while this thread waits for the device.
+
 Supervision: a step that raises fails only the requests in it (each ends with finish_reason
 "error"); if it destroyed the page pool, every running request fails and the pool is rebuilt.
 After `max_consecutive_failures` failing steps in a row the engine stops: `failure` says why,
@@ -40,6 +46,7 @@ Compilations are counted from JAX's own compile events.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -50,7 +57,9 @@ import jax
 import numpy as np
 import tokenizers
 
-from glm5_jax.engine.batches import allowed_bits, decode_inputs, mixed_inputs
+from glm5_jax.engine import delivery
+from glm5_jax.engine.batches import RowCache, allowed_bits, decode_inputs, mixed_inputs
+from glm5_jax.engine.delivery import Burst
 from glm5_jax.engine.grammar import ConstrainedOutput, GrammarCompiler
 from glm5_jax.engine.observer import EngineObserver
 from glm5_jax.engine.paged_cache import PageAllocator, StateSnapshots
@@ -101,10 +110,12 @@ class RequestStream:
         # Prompt tokens served from the prefix cache, set at first admission (the API's usage).
         self.cached_tokens = 0
         self._loop = loop
-        self._events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
-        # Events the engine thread delivered and the loop has not queued yet: one loop wake-up
-        # per burst (a multi-step decode's tokens), not one per token.
-        self._handover: list[GenerationEvent] = []
+        self._ready: collections.deque[GenerationEvent] = collections.deque()  # for the iterator
+        self._waiter: asyncio.Future | None = None  # the iterator waits on it while nothing is ready
+        # What the engine thread delivered and the loop has not taken yet (events, and Bursts:
+        # a device call's tokens of this request, turned into events on the loop): one loop
+        # wake-up per device call at most, never one per token.
+        self._handover: list[GenerationEvent | Burst] = []
         self._handover_lock = threading.Lock()
         self.finished = False
 
@@ -114,32 +125,42 @@ class RequestStream:
 
     def has_pending(self) -> bool:
         """More events are ready now (a multi-step decode delivers its tokens in one burst)."""
-        return not self._events.empty()
+        return bool(self._ready)
 
     def _deliver(self, event: GenerationEvent) -> None:  # engine thread
-        if event.finish_reason is not None:
+        if self._push(event):
+            delivery.wake([self])
+
+    def _push(self, item: GenerationEvent | Burst) -> bool:  # engine thread
+        """Queues an event or a Burst for the loop; True when the caller must wake the loop for it
+        (`delivery.wake`): nothing was waiting, so no hand-over is scheduled yet."""
+        if item.finish_reason is not None:
             self.finished = True
         with self._handover_lock:
-            self._handover.append(event)
-            if len(self._handover) > 1:  # a hand-over is already scheduled
-                return
-        try:
-            self._loop.call_soon_threadsafe(self._hand_over)
-        except RuntimeError:  # the event loop is gone (client and server shut down)
-            pass
+            self._handover.append(item)
+            return len(self._handover) == 1
 
     def _hand_over(self) -> None:  # event loop
         with self._handover_lock:
-            events, self._handover = self._handover, []
-        for event in events:
-            self._events.put_nowait(event)
+            items, self._handover = self._handover, []
+        for item in items:
+            if isinstance(item, GenerationEvent):
+                self._ready.append(item)
+            else:
+                self._ready.extend(item.events())
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def __aiter__(self):
         return self._iterate()
 
     async def _iterate(self):
+        ready = self._ready
         while True:
-            event = await self._events.get()
+            while not ready:
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+            event = ready.popleft()
             yield event
             if event.finish_reason is not None:
                 return
@@ -164,6 +185,7 @@ class _Request:
     # Prompt log-probabilities by position (1..n-1) as the prefill computes them, until delivered.
     prompt_scores: dict[int, tuple[float, tuple[tuple[int, float], ...]]] | None = None
     after_token: int | None = None  # the constraint's `after` text when it is a single token
+    stops: frozenset[int] = frozenset()  # the ids that end it with "stop" (delivery.stop_set)
 
 
 class Engine:
@@ -229,6 +251,8 @@ class Engine:
                                      page_size=page_size, max_pages=self.max_pages, options=options,
                                      block_positions=block_positions, mesh=mesh,
                                      speculative_tokens=speculative_tokens, **snapshots)
+        # Each slot's block-table and stop-id rows, rebuilt only when they change (batches.py).
+        self._rows = RowCache(max_slots, self.runner.table_width, self.eos_token_ids)
         self._host_cache_pages = host_cache_pages
         self.scheduler = Scheduler(self._new_allocator(num_pages), max_slots=max_slots,
                                    max_context=self.max_context, page_size=page_size,
@@ -251,6 +275,9 @@ class Engine:
         self.warm_up_done = self.warm_up_total = 0
         self._on_warm_up_progress = None  # on_progress(done, total), called on the engine thread
         self._consecutive_failures = 0
+        # Streams with events queued by the last decode call's delivery, woken by _advance once the
+        # next call is dispatched (delivery.wake).
+        self._woken: list[RequestStream] = []
         self.steps = 0
         self.overlapped_calls = 0  # decode calls dispatched before the previous call's tokens were read
         # Speculative decoding: verify rounds, drafts verified, drafts accepted (since start).
@@ -356,7 +383,8 @@ class Engine:
         sequence = Sequence(stream.request_id, list(prompt_ids), len(prompt_ids), max_new,
                             prefix_hits=not scoring,  # cached positions would have no scores
                             payload=_Request(stream, seed, constrained=constrained, after_token=after_token,
-                                             prompt_scores={} if scoring else None))
+                                             prompt_scores={} if scoring else None,
+                                             stops=delivery.stop_set(params, self.eos_token_ids)))
         return sequence
 
     def _constrain(self, constraint):
@@ -517,6 +545,7 @@ class Engine:
             reason = "error"
         finally:
             with self._lock:
+                self._wake_streams()
                 error = self.failure if reason == "error" else SHUTTING_DOWN
                 for sequence in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self._finish(sequence, GenerationEvent(None, finish_reason=reason, error=error))
@@ -541,10 +570,22 @@ class Engine:
             call = self._guarded(following.sequences,
                                  lambda: self._launch_decode(following, after=in_flight.call))
             self.overlapped_calls += call is not None
+        # The last call's events: the event loop builds and streams them while this thread waits
+        # for the device (fetch releases the GIL), not while it plans and dispatches.
+        self._wake_streams()
         if not self._guarded(in_flight.plan.sequences, lambda: self._complete_decode(in_flight)):
+            self._wake_streams()
             return None  # a call behind a failed one started from its (failed) state: drop it too
         self._step_done()
-        return None if call is None else _InFlight(following, call)
+        if call is None:
+            self._wake_streams()
+            return None
+        return _InFlight(following, call)
+
+    def _wake_streams(self) -> None:
+        """Wakes the event loops of the streams the last decode call's delivery queued events for."""
+        woken, self._woken = self._woken, []
+        delivery.wake(woken)
 
     def _guarded(self, sequences: list[Sequence], action):
         """action()'s result (True if it returns None). On an exception the step's requests fail,
@@ -643,8 +684,7 @@ class Engine:
         continuation (`after` the call before it, same rows) takes each row's token, position
         and remaining count from that call's device state."""
         with self.timing.host("arrays"):
-            inputs, limits = decode_inputs(self.runner, plan, self.max_slots, self.page_size,
-                                           self.eos_token_ids)
+            inputs, limits = decode_inputs(self.runner, self._rows, plan, self.max_slots, self.page_size)
             if after is not None:
                 inputs.update(tokens=after.tokens, positions=after.positions, remaining=after.remaining)
             logprobs_wanted = self._logprobs_wanted(plan.sequences)
@@ -675,18 +715,23 @@ class Engine:
             self.speculation += np.asarray(in_flight.call.speculation)
             self.observer.on_speculation(*(int(c) for c in np.asarray(in_flight.call.speculation)))
         with self.timing.host("deliver"), self._lock:
-            for step in range(sampled.tokens.shape[0]):
-                for row, sequence in enumerate(plan.sequences):
-                    token = int(sampled.tokens[step, row])
-                    if token < 0 or sequence.slot is None:  # the device stopped it, or the host did
-                        continue
-                    self.scheduler.computed(sequence, 1)
-                    self._emit(sequence, token, sampled, (step, row))
+            # Per request, not per token: each row's column of tokens as one Python list.
+            columns = sampled.tokens[:, :len(plan.sequences)].T.tolist()  # [n][steps]
+            for row, (sequence, column) in enumerate(zip(plan.sequences, columns, strict=True)):
+                if sequence.slot is None:  # the host stopped it (an earlier call, a cancellation)
+                    continue
+                steps = slice(None)
+                if -1 in column:  # the device stopped the row (speculation: rejected drafts too)
+                    steps = [step for step, token in enumerate(column) if token >= 0]
+                    column = [column[step] for step in steps]
+                if column:  # the streams are woken by _advance (_wake_streams)
+                    self._deliver_tokens(sequence, column, sampled, (steps, row), self._woken, decoding=True)
 
     def _mixed(self, plan: MixedPlan) -> None:
         chunk_len = plan.geometry[1]
         with self.timing.host("arrays"):
-            inputs = mixed_inputs(self.runner, plan, self.max_slots, bool(self.speculative_tokens))
+            inputs = mixed_inputs(self.runner, self._rows, plan, self.max_slots,
+                                  bool(self.speculative_tokens))
             sampled_index = inputs.sampled
             allowed = allowed_bits(self.runner, inputs.by_index, self.max_slots)
         started = time.perf_counter()
@@ -695,25 +740,27 @@ class Engine:
                                                  inputs.targets, inputs.next_tokens)
         self.timing.ran("mixed", len(plan.decodes) + len(plan.chunks), 1, started)
         with self.timing.host("deliver"), self._lock:
-            for sequence in plan.decodes:
-                if sequence.slot is not None:
-                    self.scheduler.computed(sequence, 1)
+            woken = []
+            try:
+                for sequence in plan.decodes:
+                    if sequence.slot is not None:
+                        self.scheduler.computed(sequence, 1)
+                        self._snapshot(sequence)
+                        self._deliver_sampled(sequence, sampled, sampled_index[sequence], woken)
+                for row, (sequence, count) in enumerate(plan.chunks):
+                    if sequence.slot is None:
+                        continue
+                    if scored is not None and sequence.payload.prompt_scores is not None:
+                        self._keep_scores(sequence, scored, row * chunk_len, count)
+                    self.scheduler.computed(sequence, count)
                     self._snapshot(sequence)
-                    self._emit(sequence, int(sampled.tokens[sampled_index[sequence]]), sampled,
-                               sampled_index[sequence])
-            for row, (sequence, count) in enumerate(plan.chunks):
-                if sequence.slot is None:
-                    continue
-                if scored is not None and sequence.payload.prompt_scores is not None:
-                    self._keep_scores(sequence, scored, row * chunk_len, count)
-                self.scheduler.computed(sequence, count)
-                self._snapshot(sequence)
-                if sequence in sampled_index:
-                    index = sampled_index[sequence]
-                    self._emit(sequence, int(sampled.tokens[index]), sampled, index)
-                elif sequence.pending == 0:  # max_tokens 0: the prompt is scored, nothing to generate
-                    self._finish(sequence, GenerationEvent(None, finish_reason="length",
-                                                           prompt_logprobs=self._prompt_logprobs(sequence)))
+                    if sequence in sampled_index:
+                        self._deliver_sampled(sequence, sampled, sampled_index[sequence], woken)
+                    elif sequence.pending == 0:  # max_tokens 0: the prompt is scored, nothing to generate
+                        self._finish(sequence, GenerationEvent(None, finish_reason="length",
+                                                               prompt_logprobs=self._prompt_logprobs(sequence)))
+            finally:
+                delivery.wake(woken)
 
     def _snapshot(self, sequence: Sequence) -> None:
         """After a mixed step (never a decode call: a call queued behind it may already have moved
@@ -742,39 +789,56 @@ class Engine:
             return None
         return ((None, ()),) + tuple(scores[p] for p in range(1, sequence.prompt_tokens))
 
-    def _emit(self, sequence: Sequence, token: int, sampled: Sampled, index) -> None:
+    def _deliver_sampled(self, sequence: Sequence, sampled: Sampled, index: int, woken: list) -> None:
+        """Delivers a mixed step's token for the sequence (flat sampled row `index`)."""
+        self._deliver_tokens(sequence, [int(sampled.tokens[index])], sampled, (slice(index, index + 1),),
+                             woken)
+
+    def _deliver_tokens(self, sequence: Sequence, tokens: list[int], sampled: Sampled, where: tuple,
+                        woken: list, decoding: bool = False) -> None:
+        """Hands the request the tokens it takes of `tokens` (a row's sampled tokens, in order;
+        `delivery.accept` says how many and why it ends) as one Burst. where: indexes the row's
+        tokens in `sampled`'s arrays (sampled.logprobs[where] is [len(tokens)]). decoding: the
+        taken tokens' inputs entered the cache in this call (a decode call: counted here; a mixed
+        step counts its own). A stream to wake is appended to `woken` (`delivery.wake`)."""
         request = sequence.payload
-        params = request.stream.params
-        sequence.generated += 1
-        sequence.tokens.append(token)
+        params, stream = request.stream.params, request.stream
+        count, reason = delivery.accept(tokens, sequence.generated, sequence.max_new, request.stops,
+                                        request.constrained)
+        taken = tokens if count == len(tokens) else tokens[:count]
+        sequence.generated += count
+        sequence.tokens.extend(taken)
+        if decoding:  # (after the tokens: the pages it completes are hashed from them)
+            self.scheduler.computed(sequence, count)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
             self.observer.on_first_token(sequence.request_id,
                                          request.first_token_at - request.stream.submitted_at)
-        alternatives = ()
-        if params.logprobs:
-            top_ids, top_logprobs = sampled.top_ids[index], sampled.top_logprobs[index]
-            alternatives = tuple((int(i), float(p)) for i, p in
-                                 zip(top_ids[:params.logprobs], top_logprobs[:params.logprobs], strict=True))
-        reason = None
-        complete = request.constrained is not None and request.constrained.advance(token)
-        stopping = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
-        if stopping or complete:
-            reason = "stop"
-        elif sequence.generated >= sequence.max_new:
-            reason = "length"
-        logprob = float(sampled.logprobs[index]) if params.logprobs is not None else None
-        event = GenerationEvent(token, logprob, alternatives, reason,
-                                prompt_logprobs=self._prompt_logprobs(sequence))
-        if reason is None:
-            request.stream._deliver(event)
-        else:
-            self._finish(sequence, event)
+        logprobs = top_ids = top_logprobs = None
+        if params.logprobs is not None:  # views of the call's host arrays, read on the event loop
+            logprobs = sampled.logprobs[where][:count]
+            if params.logprobs:
+                top_ids = sampled.top_ids[where][:count, :params.logprobs]
+                top_logprobs = sampled.top_logprobs[where][:count, :params.logprobs]
+        cached = 0
+        if reason is not None:
+            self.scheduler.release(sequence)
+            if stream.finished:  # it has ended already (as _finish): nothing more to say
+                return
+            cached = sequence.cached_tokens or 0
+            # Observer first: a client that sees the end of its stream also sees the metrics updated.
+            self.observer.on_finished(stream.request_id, reason, stream.prompt_tokens, cached,
+                                      sequence.generated, time.perf_counter() - stream.submitted_at)
+        burst = Burst(taken, logprobs, top_ids, top_logprobs, reason, cached, self._prompt_logprobs(sequence))
+        if stream._push(burst):
+            woken.append(stream)
 
     # ------------------------------------------------------------------ warm-up
     def _compile_all(self) -> None:
         """Runs every step shape once on padding only (nothing written, no sampler state changes),
-        counting each in warm_up_done."""
+        counting each in warm_up_done. One round: the runner's step programs are compiled
+        executables (glm5_jax/engine/programs.py), which take a page pool or sampler state that
+        came out of a step as they take a fresh one (through jit, the two were two programs)."""
         runner = self.runner
 
         def shape_done():

@@ -14,7 +14,10 @@ Mixed (prefill) steps run synchronously: their interval is the dispatch-to-retur
 Detokenising and streaming happen on the event loop's thread (glm5_jax/engine/textstream.py, the
 API), not on the engine thread: they reach the critical path only through the GIL, which is why
 the idle share is measured from device intervals, not inferred from engine-thread phases.
-Disabled (the default), every method returns at once.
+Each phase also records the engine thread's CPU time (`time.thread_time`): its own work, without
+the time it waited for the GIL or, on a CPU backend, for a core the running call's computation
+holds. Disabled (the default), every method returns at once (`host` returns one shared no-op
+context).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ HOST_PHASES = ("plan", "arrays", "dispatch", "deliver")  # host work; "fetch" is
 @dataclasses.dataclass
 class CallRecord:
     """One device call: kind ("decode" | "mixed"), rows (running sequences in it), steps (model
-    steps it runs), phases (host seconds by phase since the previous call), dispatched and ready
-    (perf_counter seconds; ready None until the watcher saw the outputs)."""
+    steps it runs), phases (host seconds by phase since the previous call; "<phase>/cpu": the
+    engine thread's CPU seconds in it, which leave out waiting for the GIL or for a core),
+    dispatched and ready (perf_counter seconds; ready None until the watcher saw the outputs)."""
 
     kind: str
     rows: int
@@ -47,6 +51,31 @@ class CallRecord:
     @property
     def host_seconds(self) -> float:
         return sum(self.phases.get(name, 0.0) for name in HOST_PHASES)
+
+    @property
+    def host_cpu_seconds(self) -> float:
+        return sum(self.phases.get(name + "/cpu", 0.0) for name in HOST_PHASES)
+
+
+_NO_TIMING = contextlib.nullcontext()  # reentrant and reusable: one for every disabled phase
+
+
+class _Phase:
+    """Adds the wall time spent inside it to the timing's current phases[name], and the engine
+    thread's CPU time to phases[name + "/cpu"]."""
+
+    __slots__ = ("timing", "name", "started", "cpu_started")
+
+    def __init__(self, timing: StepTiming, name: str):
+        self.timing, self.name = timing, name
+
+    def __enter__(self):
+        self.started, self.cpu_started = time.perf_counter(), time.thread_time()
+
+    def __exit__(self, *exc):
+        phases, cpu = self.timing._phases, self.name + "/cpu"
+        phases[self.name] = phases.get(self.name, 0.0) + time.perf_counter() - self.started
+        phases[cpu] = phases.get(cpu, 0.0) + time.thread_time() - self.cpu_started
 
 
 class StepTiming:
@@ -61,16 +90,12 @@ class StepTiming:
         if enabled:
             threading.Thread(target=self._watch, name="glm5-step-timing", daemon=True).start()
 
-    @contextlib.contextmanager
     def host(self, phase: str):
+        """A context manager that adds its time to `phase`; disabled, one shared no-op context
+        (the engine enters several per call: nothing is built for them)."""
         if not self.enabled:
-            yield
-            return
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._phases[phase] = self._phases.get(phase, 0.0) + time.perf_counter() - started
+            return _NO_TIMING
+        return _Phase(self, phase)
 
     def dispatched(self, kind: str, rows: int, steps: int, outputs) -> None:
         """An asynchronous call was dispatched; its outputs become ready when it ends."""
@@ -118,8 +143,9 @@ class StepTiming:
 
 def summarize(records: list[CallRecord]) -> dict[str, float]:
     """Figures of consecutive calls: calls, steps, mean host seconds per call and per model step
-    (and per phase), mean device seconds per call, and the idle share of the window from the first
-    call's start to the last call's end (1 - device busy / window)."""
+    (and per phase; wall time, and the engine thread's CPU time: "host_cpu_ms_per_call", ...),
+    mean device seconds per call, and the idle share of the window from the first call's start to
+    the last call's end (1 - device busy / window)."""
     records = [r for r in records if r.ready is not None]
     if not records:
         return {}
@@ -134,8 +160,12 @@ def summarize(records: list[CallRecord]) -> dict[str, float]:
     summary = {"calls": len(records), "steps": steps, "rows_mean": float(np.mean([r.rows for r in records])),
                "host_ms_per_call": 1e3 * float(np.mean([r.host_seconds for r in records])),
                "host_ms_per_step": 1e3 * sum(r.host_seconds for r in records) / max(steps, 1),
+               "host_cpu_ms_per_call": 1e3 * float(np.mean([r.host_cpu_seconds for r in records])),
+               "host_cpu_ms_per_step": 1e3 * sum(r.host_cpu_seconds for r in records) / max(steps, 1),
                "device_ms_per_call": 1e3 * busy / len(records),
                "idle_share": 1.0 - busy / window if window > 0 else 0.0, "window_s": window}
     for phase in (*HOST_PHASES, "fetch"):
         summary[f"{phase}_ms_per_call"] = 1e3 * float(np.mean([r.phases.get(phase, 0.0) for r in records]))
+        summary[f"{phase}_cpu_ms_per_call"] = 1e3 * float(np.mean([r.phases.get(f"{phase}/cpu", 0.0)
+                                                                   for r in records]))
     return summary
