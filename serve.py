@@ -261,8 +261,9 @@ def announce_ready(engine, warmed: threading.Event, cache_dir: str | None, start
     warmed.wait()
     if engine.failure is None:
         print(f"ready: {engine.warm_up_total} step shapes warm in {time.monotonic() - started:.1f} s "
-              f"({engine.compile_count} programs compiled or loaded since the engine started; {hits.count} "
-              f"loaded from the compilation cache in all, which holds {cache_entries(cache_dir)})",
+              f"({engine.runner.programs.loaded} step programs loaded from the program store; "
+              f"{engine.compile_count} programs compiled or loaded from the compilation cache since the "
+              f"engine started, {hits.count} loaded from it in all, which holds {cache_entries(cache_dir)})",
               flush=True)
 
 
@@ -319,7 +320,7 @@ def main(argv=None) -> int:
         from glm5_jax.host_memory import reuse_freed_memory
 
         reuse_freed_memory()
-    from glm5_jax.compile_cache import CacheHits, cache_entries, enable_compilation_cache
+    from glm5_jax.compile_cache import CacheHits, cache_entries, enable_compilation_cache, stored_programs
 
     cache_dir = enable_compilation_cache(args.compilation_cache_dir)  # before anything compiles
     hits = CacheHits()
@@ -388,7 +389,8 @@ def main(argv=None) -> int:
     # Listen at once and compile in the background: until every step shape is compiled, /health
     # answers 503 "starting" with the progress and generation requests 503 with Retry-After.
     print(f"compiling the engine's step shapes in the background (compilation cache: "
-          f"{cache_dir or 'off'}, {cache_entries(cache_dir)} programs in it)", flush=True)
+          f"{cache_dir or 'off'}, {cache_entries(cache_dir)} programs in it, {stored_programs(cache_dir)} "
+          "compiled step programs in its program store)", flush=True)
     started = time.monotonic()
     warmed = engine.warm_up(wait=False, on_progress=WarmUpLog(started))
     threading.Thread(target=announce_ready, args=(engine, warmed, cache_dir, started, hits),

@@ -6,10 +6,11 @@ cache), measured from process start to the first 200 from GET /health.
 Each start runs `serve.py --checkpoint ... --port P --compilation-cache-dir DIR SERVE FLAGS...`,
 polls /health every 0.1 s and reports: seconds until the server listens (its first answer, 503
 "starting" while it compiles), seconds until ready (200), the step shapes it warmed, the programs
-it compiled (/health's compile_count: a warm start loads the rest from the cache) and the
-programs in the cache afterwards; then stops it with SIGTERM. The cache directory is a fresh
-temporary one unless --cache-dir is given (and then it is not emptied first). The load average
-is printed with the figures: on a shared machine they move with it.
+it compiled or loaded from JAX's cache (/health's compile_count), the step programs it loaded from
+the program store (`programs/` in the cache directory: ahead-of-time compiled executables, loaded
+without tracing or lowering) and the entries of both afterwards; then stops it with SIGTERM. The
+cache directory is a fresh temporary one unless --cache-dir is given (and then it is not emptied
+first). The load average is printed with the figures: on a shared machine they move with it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from glm5_jax.compile_cache import cache_entries  # noqa: E402 - no JAX: plain os
+from glm5_jax.compile_cache import cache_entries, stored_programs  # noqa: E402 - no JAX: plain os
 
 
 # ---------------------------------------------------------------- arguments
@@ -61,7 +62,7 @@ def time_start(checkpoint: str, cache_dir: str, serve_flags: list[str], timeout:
     port = free_port()
     command = [sys.executable, "serve.py", "--checkpoint", checkpoint, "--port", str(port),
                "--compilation-cache-dir", cache_dir, *serve_flags]
-    entries_before = cache_entries(cache_dir)
+    entries_before, programs_before = cache_entries(cache_dir), stored_programs(cache_dir)
     load = os.getloadavg()[0]
     started = time.monotonic()
     with open(log, "w") as out:
@@ -92,12 +93,15 @@ def time_start(checkpoint: str, cache_dir: str, serve_flags: list[str], timeout:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
-    shapes = next((line.split(" step shapes")[0].split()[-1] for line in log.read_text().splitlines()
-                   if line.startswith("ready: ")), None)
+    ready_line = next((line for line in log.read_text().splitlines() if line.startswith("ready: ")), "")
+    shapes = ready_line.split(" step shapes")[0].split()[-1] if ready_line else None
+    loaded = (ready_line.split(" step programs loaded")[0].split()[-1].strip("(")
+              if "programs loaded" in ready_line else None)
     return {"listening_s": round(listening, 1), "ready_s": round(ready, 1), "step_shapes": shapes,
-            "compiled": health.get("compile_count"), "cache_entries_before": entries_before,
-            "cache_entries_after": cache_entries(cache_dir), "load_average": round(load, 1),
-            "command": " ".join(command[1:])}
+            "compiled": health.get("compile_count"), "programs_loaded": loaded,
+            "cache_entries_before": entries_before, "cache_entries_after": cache_entries(cache_dir),
+            "programs_before": programs_before, "programs_after": stored_programs(cache_dir),
+            "load_average": round(load, 1), "command": " ".join(command[1:])}
 
 
 # ---------------------------------------------------------------- main
@@ -118,8 +122,10 @@ def main(argv=None) -> int:
             results.append(result)
             print(f"start {start + 1} ({kind}): listening {result['listening_s']} s, "
                   f"ready {result['ready_s']} s, "
-                  f"{result['step_shapes']} step shapes, {result['compiled']} programs compiled, cache "
-                  f"{result['cache_entries_before']} -> {result['cache_entries_after']} programs "
+                  f"{result['step_shapes']} step shapes, {result['compiled']} programs compiled or "
+                  f"loaded from JAX's cache, {result['programs_loaded']} from the program store; cache "
+                  f"{result['cache_entries_before']} -> {result['cache_entries_after']} programs, store "
+                  f"{result['programs_before']} -> {result['programs_after']} "
                   f"(load average {result['load_average']})", flush=True)
     finally:
         if owned:

@@ -6,8 +6,13 @@ compiler flags; a later process that compiles the same program (the same model, 
 options) loads it instead. serve.py compiles every step shape before it serves, so a restart of
 the same server is ready in seconds instead of minutes (docs/serving.md, "Fast restarts").
 
-The cache is trusted: whoever can write to the directory can make the process run their code
-(JAX's documentation), so the default is a per-user directory.
+JAX's cache still traces and lowers every program before it can look it up; serving's step
+programs skip that too: the runner keeps them as ahead-of-time compiled executables in a program
+store, `programs/` inside the same directory (`program_dir`; glm5_jax/engine/programs.py), which a
+restart loads without tracing, lowering or compiling.
+
+Both are trusted: whoever can write to the directory can make the process run their code (JAX's
+documentation; a stored program is machine code too), so the default is a per-user directory.
 
 Plain os / argparse at import (no JAX), so that `--help` stays fast; JAX is imported only when the
 cache is turned on, which must happen before the process compiles anything (JAX reads the
@@ -89,3 +94,21 @@ def cache_entries(directory: str | None) -> int:
     if directory is None or not os.path.isdir(directory):
         return 0
     return sum(1 for name in os.listdir(directory) if name.endswith("-cache"))  # not "-atime"
+
+
+PROGRAMS_SUBDIR = "programs"  # the step programs' store, inside the cache directory
+PROGRAM_SUFFIX = ".program"
+
+
+def program_dir(directory: str | None) -> str | None:
+    """The program store's directory for compilation cache `directory` (None: none)."""
+    return None if directory is None else os.path.join(os.path.expanduser(directory), PROGRAMS_SUBDIR)
+
+
+def stored_programs(directory: str | None) -> int:
+    """Compiled step programs in the program store of cache `directory` (0 when there is none):
+    its "-hlo-" files, one executable each (the other files are keys naming them)."""
+    store = program_dir(directory)
+    if store is None or not os.path.isdir(store):
+        return 0
+    return sum(1 for name in os.listdir(store) if "-hlo-" in name and name.endswith(PROGRAM_SUFFIX))

@@ -403,11 +403,11 @@ class Engine:
         """Compiles every step shape (decode row buckets, chunk geometries), sampler slot setup
         and page copies on the engine thread, so that requests do not pay for compilation.
         Meanwhile `warming_up` is True and `warm_up_done` of `warm_up_total` shapes are done
-        (each decode bucket, chunk geometry and the copies, twice); on_progress(done, total) is
+        (each decode bucket, chunk geometry and the copies); on_progress(done, total) is
         called on the engine thread after each. wait=False returns at once (serve.py listens while
         it compiles); the returned event is set when warm-up has ended (then check `failure`)."""
         shapes = len(decode_buckets(self.max_slots)) + len(chunk_geometries(self.token_budget)) + 1
-        self.warm_up_done, self.warm_up_total = 0, 2 * shapes  # _compile_all's two rounds
+        self.warm_up_done, self.warm_up_total = 0, shapes
         self._on_warm_up_progress = on_progress
         self.warming_up = True  # before the task is queued: no moment in which a caller sees "ready"
         done = threading.Event()
@@ -846,31 +846,30 @@ class Engine:
             if self._on_warm_up_progress is not None:
                 self._on_warm_up_progress(self.warm_up_done, self.warm_up_total)
 
-        for _ in range(2):  # the second round compiles what a cache that came out of a step needs
-            for rows in decode_buckets(self.max_slots):
-                inputs = runner.padding_decode(rows)
-                call = runner.launch_decode(**inputs, steps=self.decode_steps)
+        for rows in decode_buckets(self.max_slots):
+            inputs = runner.padding_decode(rows)
+            call = runner.launch_decode(**inputs, steps=self.decode_steps)
+            inputs.update(tokens=call.tokens, positions=call.positions, remaining=call.remaining)
+            runner.fetch(runner.launch_decode(**inputs, steps=self.decode_steps))  # a continuation
+            if self.speculative_tokens:
+                inputs, limits = runner.padding_decode(rows), np.zeros(rows, np.int32)
+                call = runner.launch_speculative(**inputs, limits=limits, steps=self.decode_steps)
                 inputs.update(tokens=call.tokens, positions=call.positions, remaining=call.remaining)
-                runner.fetch(runner.launch_decode(**inputs, steps=self.decode_steps))  # a continuation
-                if self.speculative_tokens:
-                    inputs, limits = runner.padding_decode(rows), np.zeros(rows, np.int32)
-                    call = runner.launch_speculative(**inputs, limits=limits, steps=self.decode_steps)
-                    inputs.update(tokens=call.tokens, positions=call.positions, remaining=call.remaining)
-                    runner.fetch(runner.launch_speculative(**inputs, limits=limits, steps=self.decode_steps))
-                shape_done()
-            for geometry in chunk_geometries(self.token_budget):
-                unused = np.zeros(self.max_slots, np.int32)
-                mask = np.zeros(self.max_slots, bool)
-                runner.mixed_step(runner.padding_batch(*geometry), unused, unused, mask)
-                shape_done()
-            runner.write_slot(0, runner.read_slot(0))
-            if self.state_snapshots:  # out-of-range targets: compiled, nothing written
-                runner.save_state(0, self.state_snapshots)
-                runner.restore_state(self.max_slots, 0)
-            runner.set_slot(0, SamplingParams(), [0], 0)
-            if self.pages.host_pages:
-                self._reload(0, self._offload(0))
+                runner.fetch(runner.launch_speculative(**inputs, limits=limits, steps=self.decode_steps))
             shape_done()
+        for geometry in chunk_geometries(self.token_budget):
+            unused = np.zeros(self.max_slots, np.int32)
+            mask = np.zeros(self.max_slots, bool)
+            runner.mixed_step(runner.padding_batch(*geometry), unused, unused, mask)
+            shape_done()
+        runner.write_slot(0, runner.read_slot(0))
+        if self.state_snapshots:  # out-of-range targets: compiled, nothing written
+            runner.save_state(0, self.state_snapshots)
+            runner.restore_state(self.max_slots, 0)
+        runner.set_slot(0, SamplingParams(), [0], 0)
+        if self.pages.host_pages:
+            self._reload(0, self._offload(0))
+        shape_done()
         self.warming_up = False
 
 def warm_up(engine: Engine, prompt_lengths=(), timeout: float = 600.0) -> None:

@@ -12,7 +12,9 @@ device programs the engine calls (no scheduling decisions).
   speculative.py): the MTP layer drafts, one chunk per row verifies, up to N + 1 tokens per round.
 Shapes come from a few fixed buckets (decode rows: powers of two up to max_slots; chunk
 geometries of one token budget; block tables padded to max_pages), so steady state compiles
-nothing.
+nothing. Every step program runs through its ahead-of-time compiled executable (`_call`,
+glm5_jax/engine/programs.py): compiled, or loaded from the program store, once per shape, then
+dispatched without tracing or hashing static options; host arrays go in as they are.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.engine.grammar import ALL_ALLOWED, apply_allowed_bits, bitmask_words
+from glm5_jax.engine.programs import ProgramStore, default_directory, program_store, signature
 from glm5_jax.engine.sampling import (
     SamplingState,
     init_sampling_state,
@@ -215,12 +218,15 @@ class ModelRunner:
 
     state_snapshots: a hybrid model's snapshot pool size (prefix caching: the KDA state at cached
     page boundaries, `save_state` / `restore_state`; 0 = none), replicated like the page pool.
+
+    programs: where the compiled step programs come from (None: the process's store in
+    `programs.default_directory()`, inside JAX's compilation cache when that is on).
     """
 
     def __init__(self, config: ModelConfig, params, *, max_slots: int, num_pages: int, page_size: int,
                  max_pages: int, options=None, block_positions: int = DEFAULT_BLOCK_POSITIONS,
                  mesh: jax.sharding.Mesh | None = None, speculative_tokens: int = 0,
-                 state_snapshots: int = 0):
+                 state_snapshots: int = 0, programs: ProgramStore | None = None):
         if state_snapshots and not config.has_linear_layers:
             raise ValueError("state snapshots are for hybrid (KDA) models; this model has no linear layers")
         if speculative_tokens and config.has_linear_layers:
@@ -234,6 +240,9 @@ class ModelRunner:
         self.speculative_tokens = speculative_tokens
         self.mesh = mesh
         self.options = options
+        self.programs = programs if programs is not None else program_store(default_directory())
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}  # (name, steps, input signature) -> program
+        self._free_bits: dict[int, jax.Array] = {}  # rows -> all-allowed device mask
         self._install(params)
         self.max_slots = max_slots
         self.page_size = page_size
@@ -280,6 +289,21 @@ class ModelRunner:
         """The context jitted programs are traced and run in (the mesh and its rules)."""
         return contextlib.nullcontext() if self.mesh is None else activate(self.mesh, SERVING_RULES)
 
+    def _call(self, name: str, function, args: tuple, inputs: tuple, static_args: tuple = (),
+              **static_kwargs):
+        """`function(*static_args, *args, **static_kwargs)` through its compiled program. inputs:
+        the part of args that changes from call to call (host arrays, a continuation's device
+        state); its shapes and dtypes, with static_kwargs' `steps`, select the program. The
+        runner's own state (params, page pool, sampler state) keeps its shapes and shardings,
+        and every other static argument is the runner's own: neither is hashed per call."""
+        key = (name, static_kwargs.get("steps"), signature(inputs))
+        program = self._compiled.get(key)
+        if program is None:
+            with self._on_mesh():
+                program = self.programs.compiled(name, function, static_args, args, static_kwargs, self.mesh)
+            self._compiled[key] = program
+        return program(*args)
+
     # ------------------------------------------------------------------ sampler slots
     def set_slot(self, slot: int, params: SamplingParams, prompt_ids, seed: int) -> None:
         with self._on_mesh():
@@ -288,20 +312,23 @@ class ModelRunner:
     def read_slot(self, slot: int) -> SamplingState:
         """The slot's sampler state (parameters, key, counts) as host arrays, to restore after
         preemption."""
-        return jax.tree.map(lambda a: host_array(a[slot]), self.sampling)
+        slot = np.int32(slot)
+        return jax.tree.map(host_array, self._call("read_slot", _read_slot, (self.sampling, slot), (slot,)))
 
     def write_slot(self, slot: int, row: SamplingState) -> None:
-        with self._on_mesh():
-            self.sampling = _write_slot(self.sampling, jnp.int32(slot), row)
+        slot = np.int32(slot)
+        self.sampling = self._call("write_slot", _write_slot, (self.sampling, slot, row), (slot, row))
 
     # ------------------------------------------------------------------ pages
     def read_page(self, page: int):
-        with self._on_mesh():
-            return jax.tree.map(host_array, read_page(self.cache, jnp.int32(page), num_pages=self.num_pages))
+        page = np.int32(page)
+        return jax.tree.map(host_array, self._call("read_page", read_page, (self.cache, page), (page,),
+                                                   num_pages=self.num_pages))
 
     def write_page(self, page: int, data) -> None:
-        with self._on_mesh():
-            self.cache = write_page(self.cache, jnp.int32(page), data, num_pages=self.num_pages)
+        page = np.int32(page)
+        self.cache = self._call("write_page", write_page, (self.cache, page, data), (page, data),
+                                num_pages=self.num_pages)
 
     # ------------------------------------------------------------------ KDA state snapshots
     def save_state(self, slot: int, snapshot: int) -> None:
@@ -348,6 +375,16 @@ class ModelRunner:
         """An all-allowed token bitmask [rows, ceil(V/32)] (fill constrained rows in place)."""
         return np.full((rows, bitmask_words(self.config.vocab_size)), ALL_ALLOWED, np.int32)
 
+    def _allowed(self, allowed: np.ndarray | None, rows: int):
+        """The mask a program takes: the host array, or for None (no row constrained) a cached
+        all-allowed device array [rows, ceil(V/32)], so a free step builds and sends no mask."""
+        if allowed is not None:
+            return np.asarray(allowed, np.int32)
+        if rows not in self._free_bits:
+            placement = None if self.mesh is None else replicated(self.mesh)
+            self._free_bits[rows] = jax.device_put(self.free_bits(rows), placement)
+        return self._free_bits[rows]
+
     def mixed_step(self, batch: StepBatch, sample_rows: np.ndarray, slots: np.ndarray,
                    mask: np.ndarray, logprobs_wanted: bool = True, allowed: np.ndarray | None = None,
                    targets: np.ndarray | None = None, next_tokens: np.ndarray | None = None
@@ -358,16 +395,17 @@ class ModelRunner:
         too (a separate compiled step, used only for prompt log-probabilities). With speculative
         decoding on, next_tokens [T] (each flat token's next token where known, else -1; None =
         none known) feed the MTP layer, which drafts for the sampled slots."""
-        allowed = self.free_bits(len(sample_rows)) if allowed is None else allowed
         if self.drafts is not None and next_tokens is None:
             next_tokens = np.full(batch.decode_tokens.size + batch.chunk_tokens.size, -1, np.int32)
-        with self._on_mesh():
-            outputs, scores, self.cache, self.sampling, self.drafts = _mixed_step(
-                self.config, self.params, self.cache, self.sampling, jax.tree.map(jnp.asarray, batch),
-                jnp.asarray(sample_rows), jnp.asarray(slots), jnp.asarray(mask), jnp.asarray(logprobs_wanted),
-                jnp.asarray(allowed), None if targets is None else jnp.asarray(targets), self.drafts,
-                None if self.drafts is None else jnp.asarray(next_tokens),
-                options=self.options, block_pages=self.block_pages)
+        inputs = (StepBatch(*(np.asarray(a, np.int32) for a in batch)), np.asarray(sample_rows, np.int32),
+                  np.asarray(slots, np.int32), np.asarray(mask, bool), np.asarray(logprobs_wanted, bool),
+                  self._allowed(allowed, len(sample_rows)),
+                  None if targets is None else np.asarray(targets, np.int32))
+        next_tokens = None if self.drafts is None else np.asarray(next_tokens, np.int32)
+        args = (self.params, self.cache, self.sampling, *inputs, self.drafts, next_tokens)
+        outputs, scores, self.cache, self.sampling, self.drafts = self._call(
+            "mixed_step", _mixed_step, args, (*inputs, next_tokens), (self.config,), options=self.options,
+            block_pages=self.block_pages)
         scored = None if scores is None else Scored(*(host_array(a) for a in scores))
         return Sampled(*(host_array(a) for a in outputs)), scored
 
@@ -376,12 +414,12 @@ class ModelRunner:
         """Dispatches `decode_loop` and returns at once. tokens, positions, remaining may be host
         arrays or the device state of the previous call (`DecodeCall`), for a continuation.
         allowed: token bitmask [R, ceil(V/32)] (None = all tokens)."""
-        allowed = self.free_bits(len(slots)) if allowed is None else allowed
-        with self._on_mesh():
-            outputs, (tokens, positions, remaining), self.cache, self.sampling = decode_loop(
-                self.config, self.params, self.cache, self.sampling, *(jnp.asarray(a) for a in (
-                    tokens, positions, tables, slots, remaining, stop_ids, logprobs_wanted, allowed)),
-                options=self.options, block_pages=self.block_pages, steps=steps)
+        inputs = (*_int32(tokens, positions, tables, slots, remaining, stop_ids),
+                  np.asarray(logprobs_wanted, bool), self._allowed(allowed, len(slots)))
+        args = (self.params, self.cache, self.sampling, *inputs)
+        outputs, (tokens, positions, remaining), self.cache, self.sampling = self._call(
+            "decode_loop", decode_loop, args, inputs, (self.config,), options=self.options,
+            block_pages=self.block_pages, steps=steps)
         return DecodeCall(outputs, tokens, positions, remaining)
 
     def launch_speculative(self, tokens, positions, tables, limits, slots, remaining, stop_ids, steps: int,
@@ -389,13 +427,12 @@ class ModelRunner:
         """Dispatches `speculative.speculative_loop` (`steps` rounds of speculative_tokens drafts)
         and returns at once; inputs as `launch_decode`, plus limits [R]: the positions each row's
         pages cover. Rows must be eligible (no penalties, no constraint: see speculative.py)."""
-        with self._on_mesh():
-            outputs, (tokens, positions, remaining), counts, self.cache, self.sampling, self.drafts = \
-                speculative_loop(self.config, self.params, self.cache, self.sampling, self.drafts,
-                                 *(jnp.asarray(a) for a in (tokens, positions, tables, limits, slots,
-                                                            remaining, stop_ids, logprobs_wanted)),
-                                 options=self.options, block_pages=self.block_pages, steps=steps,
-                                 num_drafts=self.speculative_tokens)
+        inputs = (*_int32(tokens, positions, tables, limits, slots, remaining, stop_ids),
+                  np.asarray(logprobs_wanted, bool))
+        args = (self.params, self.cache, self.sampling, self.drafts, *inputs)
+        outputs, (tokens, positions, remaining), counts, self.cache, self.sampling, self.drafts = self._call(
+            "speculative_loop", speculative_loop, args, inputs, (self.config,), options=self.options,
+            block_pages=self.block_pages, steps=steps, num_drafts=self.speculative_tokens)
         return DecodeCall(outputs, tokens, positions, remaining, counts)
 
     @staticmethod
@@ -437,6 +474,11 @@ class ModelRunner:
             if self.state_snapshots else None
 
 
+def _int32(*arrays) -> tuple:
+    """Host arrays as int32 numpy arrays; device arrays (a continuation's state) as they are."""
+    return tuple(a if isinstance(a, jax.Array) else np.asarray(a, np.int32) for a in arrays)
+
+
 def _first_mismatch(specs, params) -> str | None:
     """The first difference of params from specs (tree structure, shape or dtype) in words, or None."""
     spec_leaves = dict(jax.tree_util.tree_leaves_with_path(specs))
@@ -456,3 +498,9 @@ def _first_mismatch(specs, params) -> str | None:
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _write_slot(state: SamplingState, slot, row: SamplingState) -> SamplingState:
     return jax.tree.map(lambda a, b: a.at[slot].set(b), state, row)
+
+
+@jax.jit
+def _read_slot(state: SamplingState, slot) -> SamplingState:
+    """Slot `slot`'s row of every field (one program, not a slice program per field)."""
+    return jax.tree.map(lambda a: a[slot], state)
