@@ -114,8 +114,17 @@ def _leaf(value) -> str:
     if sharding is None:
         placed = "host"
     else:
-        placed = f"{sharding!r}@{[device.id for device in sharding._device_assignment]}"
+        placed = f"{sharding!r}@{_device_ids(sharding)}"
     return f"{aval.str_short()}{'~weak' if aval.weak_type else ''}:{placed}"
+
+
+def _device_ids(sharding) -> list[int]:
+    """The ids of a sharding's devices in the program's order (its device assignment; the
+    sorted set where a jax has no such attribute)."""
+    devices = getattr(sharding, "_device_assignment", None)
+    if devices is None:
+        devices = sorted(sharding.device_set, key=lambda device: device.id)
+    return [device.id for device in devices]
 
 
 def describe(name: str, function, static_args: tuple, args: tuple, static_kwargs: dict, mesh) -> str:
@@ -152,7 +161,13 @@ class ProgramStore:
         `program(*args)`. static_args: leading positional static arguments (the model config);
         static_kwargs: the keyword static arguments. Call it in the context the program is traced
         in (the runner's mesh rules)."""
-        description = describe(name, function, static_args, args, static_kwargs, mesh)
+        try:
+            description = describe(name, function, static_args, args, static_kwargs, mesh)
+        except Exception as exc:  # noqa: BLE001 - a jax this cannot describe: compile, store nothing
+            logger.warning("program %s cannot be keyed (%s: %s): compiled, not stored", name,
+                           type(exc).__name__, exc)
+            self.compiled_count += 1
+            return function.lower(*static_args, *args, **static_kwargs).compile()
         key = hashlib.sha256(description.encode()).hexdigest()
         with self._lock:
             program = self._programs.get(key)
@@ -169,7 +184,13 @@ class ProgramStore:
         if self.directory is None:
             self.compiled_count += 1
             return lowered.compile()
-        module_description = describe_lowered(name, lowered)
+        try:
+            module_description = describe_lowered(name, lowered)
+        except Exception as exc:  # noqa: BLE001 - a jax this cannot describe: compile, store nothing
+            logger.warning("program %s cannot be keyed (%s: %s): compiled, not stored", name,
+                           type(exc).__name__, exc)
+            self.compiled_count += 1
+            return lowered.compile()
         module_stem = f"{name}-hlo-{hashlib.sha256(module_description.encode()).hexdigest()}"
         program = self._load(module_stem, module_description)
         if program is not None:
@@ -217,7 +238,7 @@ class ProgramStore:
             from jax.experimental.serialize_executable import serialize
 
             executable, in_tree, out_tree = serialize(program)
-            devices = [device.id for device in jax.tree.leaves(program.input_shardings)[0]._device_assignment]
+            devices = _device_ids(jax.tree.leaves(program.input_shardings)[0])
         except Exception as exc:  # noqa: BLE001 - not stored: the next start compiles it again
             logger.warning("program %s cannot be stored (%s: %s)", stem, type(exc).__name__, exc)
             return False
@@ -248,7 +269,9 @@ def _fresh_compile(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bo
     then not stored."""
     from jax._src import compilation_cache
 
-    compilation_cache.is_cache_used(jax.devices()[0].client)  # JAX makes its decision now
+    decide = getattr(compilation_cache, "is_cache_used", None)
+    if decide is not None:
+        decide(jax.devices()[0].client)  # JAX makes its decision now (then cleared below)
     used = getattr(compilation_cache, "_cache_used", None)
     hits_before = _CACHE_HITS.count()
     with contextlib.ExitStack() as restore:
