@@ -50,6 +50,14 @@ def _metric(port: int, name: str) -> float:
     return 0.0
 
 
+def _plain_queued(port: int, plain: threading.Thread) -> str | None:
+    """"queued" once 13 requests wait (the stream's twelve queued choices and the plain request's
+    two, less at most one admitted), "answered" once the plain request's thread has its answer."""
+    if _metric(port, "glm5_waiting_requests") >= 13:
+        return "queued"
+    return None if plain.is_alive() else "answered"
+
+
 def _sse(port: int, body: dict, lines: list, started: threading.Event):
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
         lines.append(response.status_code)
@@ -98,17 +106,29 @@ def test_sigterm_drains_and_half_open_connections_are_closed(checkpoint, tmp_pat
         # tokens are out: the running choices are cut (finish_reason "abort" after their text), the
         # queued ones end at once ("abort", no text), then the stream's error event and [DONE]; the
         # plain request gets 503.
+        # The plain request must reach the queue while the stream's first four choices still run
+        # (56 tokens each: a fraction of a second here); when it arrives later, it queues behind
+        # fewer choices, all of it runs to the end, and the scenario starts again (3 attempts).
         long = {"prompt": "def add(a, b):", "max_tokens": 56, "ignore_eos": True}
-        streamed, first = [], threading.Event()
-        plain = {}
-        threads = [
-            threading.Thread(target=_sse, args=(port, {**long, "n": 16, "stream": True}, streamed, first)),
-            threading.Thread(target=lambda: plain.update(response=httpx.post(
-                f"http://127.0.0.1:{port}/v1/completions", json={**long, "n": 2}, timeout=60)))]
-        threads[0].start()
-        assert first.wait(60)
-        threads[1].start()
-        _wait_until(lambda: _metric(port, "glm5_waiting_requests") >= 13, "the plain request queued")
+        for _ in range(3):
+            streamed, first = [], threading.Event()
+            plain = {}
+            threads = [
+                threading.Thread(target=_sse,
+                                 args=(port, {**long, "n": 16, "stream": True}, streamed, first)),
+                threading.Thread(target=lambda plain=plain: plain.update(response=httpx.post(
+                    f"http://127.0.0.1:{port}/v1/completions", json={**long, "n": 2}, timeout=60)))]
+            threads[0].start()
+            assert first.wait(60)
+            threads[1].start()
+            queued = _wait_until(lambda threads=threads: _plain_queued(port, threads[1]),
+                                 "the plain request queued or answered")
+            if queued == "queued":
+                break
+            for thread in threads:  # the race was lost: both ran to the end; nothing was drained
+                thread.join(timeout=60)
+        else:
+            raise AssertionError("the plain request never queued behind the stream's running choices")
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=60)
         for thread in threads:
