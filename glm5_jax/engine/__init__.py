@@ -7,7 +7,10 @@
     scheduler.py    what each step computes (pure Python): admission, chunked prefill under a token budget,
                     preemption, prefix caching, pages
     paged_cache.py  page hash chain and PageAllocator (ref counts, LRU, host offload)
-    runner.py       ModelRunner: parameters, page pool, sampler state and the jitted device programs
+    runner.py       ModelRunner: parameters, page pool, sampler state and the device step programs
+    programs.py     ahead-of-time compiled step programs, one per shape, stored serialized for restarts
+    delivery.py     a call's sampled tokens -> each request's Burst (finish checks per request, not token)
+    timing.py       opt-in host time per device call by phase and the device's idle share
     batches.py      a scheduler plan -> the runner's host arrays (tokens, positions, block tables, stop ids)
     sampling.py     the batched sampler (SlotOptions: temperature, top-k/p, min-p, penalties; keys, logprobs)
     speculative.py  MTP speculative decoding (drafts, one verify chunk per row)
