@@ -51,13 +51,9 @@ def _metric(port: int, name: str) -> float:
 
 
 def _plain_queued(port: int, plain: threading.Thread) -> str | None:
-    """"queued" once the plain request's two choices wait behind the stream's queued ones: 13 or
-    more waiting (twelve of the stream's and its two, less at most one admitted), or 10 or 6 (the
-    stream's choices are admitted four at a time, after its first or second four finished: a
-    wave's choices have their first token from the step that admitted them, so SIGTERM still cuts
-    running choices); "answered" once the plain request's thread has its answer."""
-    waiting = _metric(port, "glm5_waiting_requests")
-    if waiting >= 13 or (waiting in (6, 10) and plain.is_alive()):
+    """"queued" once 13 requests wait (the stream's twelve queued choices and the plain request's
+    two, less at most one admitted), "answered" once the plain request's thread has its answer."""
+    if _metric(port, "glm5_waiting_requests") >= 13:
         return "queued"
     return None if plain.is_alive() else "answered"
 
