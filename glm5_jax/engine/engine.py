@@ -632,15 +632,22 @@ class Engine:
                 self._finish(sequence, GenerationEvent(None, finish_reason="abort"))
 
     def _finish(self, sequence: Sequence, event: GenerationEvent) -> None:
+        cached = self._end(sequence, event.finish_reason)
+        if cached is not None:
+            sequence.payload.stream._deliver(dataclasses.replace(event, cached_tokens=cached))
+
+    def _end(self, sequence: Sequence, reason: str) -> int | None:
+        """Frees the sequence and records its end; returns its cached prompt tokens for its last
+        event, or None when its stream has ended already (nothing more to deliver)."""
         self.scheduler.release(sequence)
-        request = sequence.payload
-        stream, cached = request.stream, sequence.cached_tokens or 0
+        stream = sequence.payload.stream
         if stream.finished:
-            return
+            return None
+        cached = sequence.cached_tokens or 0
         # Observer first: a client that sees the end of its stream also sees the metrics updated.
-        self.observer.on_finished(stream.request_id, event.finish_reason, stream.prompt_tokens, cached,
+        self.observer.on_finished(stream.request_id, reason, stream.prompt_tokens, cached,
                                   sequence.generated, time.perf_counter() - stream.submitted_at)
-        stream._deliver(dataclasses.replace(event, cached_tokens=cached))
+        return cached
 
     def _admit(self) -> None:
         for sequence in self.scheduler.admit():
@@ -822,13 +829,9 @@ class Engine:
                 top_logprobs = sampled.top_logprobs[where][:count, :params.logprobs]
         cached = 0
         if reason is not None:
-            self.scheduler.release(sequence)
-            if stream.finished:  # it has ended already (as _finish): nothing more to say
+            cached = self._end(sequence, reason)
+            if cached is None:  # it has ended already: nothing more to say
                 return
-            cached = sequence.cached_tokens or 0
-            # Observer first: a client that sees the end of its stream also sees the metrics updated.
-            self.observer.on_finished(stream.request_id, reason, stream.prompt_tokens, cached,
-                                      sequence.generated, time.perf_counter() - stream.submitted_at)
         burst = Burst(taken, logprobs, top_ids, top_logprobs, reason, cached, self._prompt_logprobs(sequence))
         if stream._push(burst):
             woken.append(stream)

@@ -365,11 +365,6 @@ class ModelRunner:
                 "remaining": np.zeros(rows, np.int32),
                 "stop_ids": np.full((rows, MAX_STOP_IDS), -1, np.int32)}
 
-    def table(self, pages: list[int]) -> np.ndarray:
-        row = np.zeros(self.table_width, np.int32)
-        row[:len(pages)] = pages
-        return row
-
     # ------------------------------------------------------------------ steps
     def free_bits(self, rows: int) -> np.ndarray:
         """An all-allowed token bitmask [rows, ceil(V/32)] (fill constrained rows in place)."""
