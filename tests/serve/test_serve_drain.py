@@ -50,22 +50,65 @@ def _metric(port: int, name: str) -> float:
     return 0.0
 
 
-def _plain_queued(port: int, plain: threading.Thread) -> str | None:
-    """"queued" once 13 requests wait (the stream's twelve queued choices and the plain request's
-    two, less at most one admitted), "answered" once the plain request's thread has its answer."""
-    if _metric(port, "glm5_waiting_requests") >= 13:
-        return "queued"
-    return None if plain.is_alive() else "answered"
+class _Stream:
+    """The streamed completion as its reader sees it: per choice, the chunks that carried text and
+    whether it has ended."""
+
+    def __init__(self, port: int, body: dict):
+        self.lines: list = []
+        self.chunks: dict[int, int] = {}
+        self.ended: set[int] = set()
+        self.first = threading.Event()
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._read, args=(port, body))
+
+    def _read(self, port: int, body: dict):
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                          timeout=60) as response:
+            self.lines.append(response.status_code)
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                self.lines.append(line)
+                payload = line.removeprefix("data: ")
+                if payload != "[DONE]":
+                    with self._lock:
+                        for choice in json.loads(payload).get("choices", ()):
+                            if choice["text"]:
+                                self.chunks[choice["index"]] = self.chunks.get(choice["index"], 0) + 1
+                            if choice["finish_reason"]:
+                                self.ended.add(choice["index"])
+                self.first.set()
+        self.first.set()
+
+    def started(self) -> int:
+        with self._lock:
+            return len(self.chunks)
+
+    def early_running(self, queued_left: int) -> bool:
+        """A choice has its first text chunk only (no end yet), while at least
+        `queued_left` choices have not started (so some are still queued)."""
+        with self._lock:
+            return len(self.chunks) <= 16 - queued_left and any(
+                count == 1 and index not in self.ended for index, count in self.chunks.items())
 
 
-def _sse(port: int, body: dict, lines: list, started: threading.Event):
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
-        lines.append(response.status_code)
-        for line in response.iter_lines():
-            if line:
-                lines.append(line)
-                started.set()
-    started.set()
+def _drain_moment(port: int, stream: _Stream, plain: threading.Thread) -> bool:
+    """Waits for the moment SIGTERM tests everything at once: the plain request queued, a choice of
+    the stream running with its first text chunk out (of 56 tokens) and some of its choices
+    queued. False when the plain request was answered first (the race was lost).
+
+    The plain request is known to be queued when more requests wait than the stream can have
+    waiting: its choices without text are read before the metric, and choices only start."""
+    queued = False
+    while plain.is_alive():
+        if not queued:
+            not_started = 16 - stream.started()
+            queued = _metric(port, "glm5_waiting_requests") > not_started
+        if queued and stream.early_running(queued_left=4):
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def test_sigterm_drains_and_half_open_connections_are_closed(checkpoint, tmp_path):  # noqa: F811
@@ -102,38 +145,32 @@ def test_sigterm_drains_and_half_open_connections_are_closed(checkpoint, tmp_pat
         stalled_body.close()
 
         # One stream of 16 choices: four fill the four slots, twelve queue; a plain request with two
-        # choices queues behind them. SIGTERM with a shutdown timeout of 0 comes as soon as the first
-        # tokens are out: the running choices are cut (finish_reason "abort" after their text), the
-        # queued ones end at once ("abort", no text), then the stream's error event and [DONE]; the
-        # plain request gets 503.
-        # The plain request must reach the queue while the stream's first four choices still run
-        # (56 tokens each: a fraction of a second here); when it arrives later, it queues behind
-        # fewer choices, all of it runs to the end, and the scenario starts again (3 attempts).
+        # choices queues behind them. SIGTERM with a shutdown timeout of 0 comes while the plain
+        # request waits and a running choice is early in its text: the running choices are cut
+        # (finish_reason "abort" after their text), the queued ones end at once ("abort", no text),
+        # then the stream's error event and [DONE]; the plain request gets 503.
+        # The plain request must reach the queue before the stream's last four choices start: when it
+        # arrives later it runs to the end, and the scenario starts again (3 attempts).
         long = {"prompt": "def add(a, b):", "max_tokens": 56, "ignore_eos": True}
         for _ in range(3):
-            streamed, first = [], threading.Event()
-            plain = {}
-            threads = [
-                threading.Thread(target=_sse,
-                                 args=(port, {**long, "n": 16, "stream": True}, streamed, first)),
-                threading.Thread(target=lambda plain=plain: plain.update(response=httpx.post(
-                    f"http://127.0.0.1:{port}/v1/completions", json={**long, "n": 2}, timeout=60)))]
-            threads[0].start()
-            assert first.wait(60)
-            threads[1].start()
-            queued = _wait_until(lambda threads=threads: _plain_queued(port, threads[1]),
-                                 "the plain request queued or answered")
-            if queued == "queued":
+            stream, plain = _Stream(port, {**long, "n": 16, "stream": True}), {}
+            plain_thread = threading.Thread(target=lambda plain=plain: plain.update(response=httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions", json={**long, "n": 2}, timeout=60)))
+            stream.thread.start()
+            assert stream.first.wait(60)
+            plain_thread.start()
+            if _drain_moment(port, stream, plain_thread):
                 break
-            for thread in threads:  # the race was lost: both ran to the end; nothing was drained
+            for thread in (stream.thread, plain_thread):  # the race was lost: nothing was drained
                 thread.join(timeout=60)
         else:
             raise AssertionError("the plain request never queued behind the stream's running choices")
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=60)
-        for thread in threads:
+        for thread in (stream.thread, plain_thread):
             thread.join(timeout=30)
         assert process.returncode == 0, output
+        streamed = stream.lines
 
         response = plain["response"]
         assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down"
