@@ -8,7 +8,7 @@ the same server is ready in seconds instead of minutes (docs/serving.md, "Fast r
 
 JAX's cache still traces and lowers every program before it can look it up; serving's step
 programs skip that too: the runner keeps them as ahead-of-time compiled executables in a program
-store, `programs/` inside the same directory (`program_dir`; glm5_jax/engine/programs.py), which a
+store, `programs/` inside the same directory (`program_dir`; glm5_jax/programs.py), which a
 restart loads without tracing, lowering or compiling.
 
 Both are trusted: whoever can write to the directory can make the process run their code (JAX's

@@ -840,7 +840,7 @@ class Engine:
     def _compile_all(self) -> None:
         """Runs every step shape once on padding only (nothing written, no sampler state changes),
         counting each in warm_up_done. One round: the runner's step programs are compiled
-        executables (glm5_jax/engine/programs.py), which take a page pool or sampler state that
+        executables (glm5_jax/programs.py), which take a page pool or sampler state that
         came out of a step as they take a fresh one (through jit, the two were two programs)."""
         runner = self.runner
 

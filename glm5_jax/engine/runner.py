@@ -13,7 +13,7 @@ device programs the engine calls (no scheduling decisions).
 Shapes come from a few fixed buckets (decode rows: powers of two up to max_slots; chunk
 geometries of one token budget; block tables padded to max_pages), so steady state compiles
 nothing. Every step program runs through its ahead-of-time compiled executable (`_call`,
-glm5_jax/engine/programs.py): compiled, or loaded from the program store, once per shape, then
+glm5_jax/programs.py): compiled, or loaded from the program store, once per shape, then
 dispatched without tracing or hashing static options; host arrays go in as they are.
 """
 
@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.engine.grammar import ALL_ALLOWED, apply_allowed_bits, bitmask_words
-from glm5_jax.engine.programs import ProgramStore, default_directory, program_store, signature
 from glm5_jax.engine.sampling import (
     SamplingState,
     init_sampling_state,
@@ -55,6 +54,7 @@ from glm5_jax.model.paged_decode import (
 from glm5_jax.model.transformer import param_logical_axes
 from glm5_jax.parallel import constrain
 from glm5_jax.parallel.sharding import SERVING_RULES, activate, replicated, serving_param_shardings
+from glm5_jax.programs import ProgramStore, default_directory, program_store, signature
 
 MAX_STOP_IDS = 16  # stop token ids the device checks per row (the host re-checks all of them)
 

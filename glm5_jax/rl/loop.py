@@ -32,6 +32,7 @@ from tqdm import tqdm
 from glm5_jax.model import ConfigError
 from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.model.transformer import apply_model
+from glm5_jax.programs import StoredFunction
 from glm5_jax.rl.batches import grpo_batch
 from glm5_jax.rl.rewards import Reward, make_rewards, summary
 from glm5_jax.rl.rollouts import Rollout, RolloutWorker, sample_seed
@@ -152,9 +153,13 @@ def run_grpo(config: ml_collections.ConfigDict, workdir_path: str) -> None:
     reference = None
     if grpo.kl_coef:  # the frozen reference: the init_from weights (a copy: steps donate the state)
         reference_params = init_from_lib.initial_weights(settings.init_from, model_config, options, None)
-        reference_log_probs = make_reference_log_probs(model_config, options, grpo.temperature)
+        reference_log_probs = StoredFunction("reference_log_probs", make_reference_log_probs(
+            model_config, options, grpo.temperature), (model_config, options, grpo.temperature))
         reference = lambda batch: reference_log_probs(reference_params, batch)  # noqa: E731
-    train_step = make_train_step(model_config, settings, optimizer, options=options)
+    # Stored programs (glm5_jax/programs.py): a restart loads the step instead of compiling it.
+    train_step = StoredFunction("train_step", make_train_step(model_config, settings, optimizer,
+                                                              options=options),
+                                (model_config, settings, options, None))
     schedule = learning_rate_schedule(settings)
     with Phase("starting the rollout engine", "started the rollout engine"):
         worker = RolloutWorker(model_config, state.params, tokenizer, renderer, max_context=seq_len,

@@ -32,6 +32,7 @@ from glm5_jax.model.options import ExecutionOptions
 from glm5_jax.parallel import sharding as sharding_lib
 from glm5_jax.parallel.distributed import any_process, barrier, is_primary
 from glm5_jax.parallel.mesh import MeshError, MeshSpec, make_mesh
+from glm5_jax.programs import StoredFunction
 from glm5_jax.train import init_from as init_from_lib
 from glm5_jax.train.checkpoints import CheckpointError, RunCheckpoints
 from glm5_jax.train.dpo import make_dpo_eval_step, make_reference_log_probs
@@ -254,12 +255,15 @@ def setup_run(config: ml_collections.ConfigDict, workdir_path: str) -> Run:
         raise SystemExit(f"error: {error}") from None
     make_state = lambda: init_train_state(  # noqa: E731
         init_params(model_config, settings.seed, options=options), optimizer)
+    # What the run's jitted closures (init, train and evaluation steps) capture, for the keys of
+    # their stored programs: the settings make the optimizer and its schedule.
+    captured = (model_config, settings, options, None if mesh is None else rules)
     if resume_step is not None:
         loading = Phase(f"restoring checkpoint step {resume_step}", f"restored step {resume_step}")
     elif settings.init_from:
         loading = Phase(f"loading the weights of {settings.init_from}", "loaded the weights")
     else:
-        loading = Phase("initialising the parameters (XLA compiles the initialisation first)",
+        loading = Phase("initialising the parameters (XLA compiles or loads the initialisation first)",
                         "initialised the parameters")
     if resume_step is None and settings.init_from:  # fine-tuning: the weights, a fresh optimizer
         param_shardings = None if mesh is None else train_state_shardings(
@@ -275,11 +279,12 @@ def setup_run(config: ml_collections.ConfigDict, workdir_path: str) -> Run:
         print(f"initialised from {settings.init_from}; training {len(trained)} of "
               f"{len(jax.tree.leaves(params))} parameter arrays", flush=True)
     elif resume_step is None:
-        if mesh is None:
-            state = make_state()
-        else:  # initialise each shard where it lives (a large model never exists on one device)
-            state = jax.jit(make_state, out_shardings=train_state_shardings(
-                model_config, optimizer, mesh, rules, options=options))()
+        # On a mesh each shard is initialised where it lives (a large model never exists on one
+        # device). The program is stored: a restart loads it (glm5_jax/programs.py).
+        shardings = None if mesh is None else train_state_shardings(model_config, optimizer, mesh, rules,
+                                                                    options=options)
+        state = StoredFunction("init_train_state", jax.jit(make_state, out_shardings=shardings),
+                               captured, mesh=mesh)()
     else:
         abstract = jax.eval_shape(make_state)
         if mesh is not None:  # restore straight into the mesh layout
@@ -299,30 +304,38 @@ def setup_run(config: ml_collections.ConfigDict, workdir_path: str) -> Run:
           f"MTP {counts['mtp'] / 1e6:.1f}M); tokenizer vocab {tokenizer.get_vocab_size()}; "
           f"workdir {workdir}" + (f"; resuming at step {resume_step}" if resume_step else ""),
           flush=True)
+    on_mesh = None if mesh is None else (lambda: sharding_lib.activate(mesh, rules))
     if mesh is None:
-        train_step = make_train_step(model_config, settings, optimizer, options=options)
+        train_step = StoredFunction("train_step", make_train_step(model_config, settings, optimizer,
+                                                                  options=options), captured)
         place_batch = lambda batch: batch  # noqa: E731
     else:
-        train_step = make_train_step(model_config, settings, optimizer, mesh, rules, options=options)
+        train_step = StoredFunction("train_step", make_train_step(
+            model_config, settings, optimizer, mesh, rules, options=options).jitted, captured, mesh=mesh,
+            context=on_mesh)
         batch_sharding = sharding_lib.batch_sharding(mesh, rules)
         place_batch = lambda batch: {  # noqa: E731  the global batch -> this process's devices' slices
             key: jax.make_array_from_callback(np.shape(value), batch_sharding,
                                               lambda index, value=value: np.asarray(value[index]))
             for key, value in batch.items()}
         print("mesh: " + ", ".join(f"{name}={size}" for name, size in mesh.shape.items()), flush=True)
-    eval_step = make_eval_step(model_config, token_bytes, options)
+    eval_step = StoredFunction("eval_step", make_eval_step(model_config, token_bytes, options),
+                               (*captured, token_bytes), mesh=mesh)
     if settings.objective == "dpo":  # the reference: the init_from weights, frozen (a copy: steps donate)
         reference_params = init_from_lib.initial_weights(
             settings.init_from, model_config, options,
             None if mesh is None else lambda *_, **__: train_state_shardings(
                 model_config, optimizer, mesh, rules, options=options).params)
-        reference_log_probs = make_reference_log_probs(model_config, options)
+        reference_log_probs = StoredFunction("reference_log_probs", make_reference_log_probs(
+            model_config, options), captured, mesh=mesh)
         with_reference = lambda batch: {  # noqa: E731
             **batch, "reference_log_probs": reference_log_probs(reference_params, batch)}
-        with Phase("scoring the validation pairs with the reference (XLA compiles its forward first)",
+        with Phase("scoring the validation pairs with the reference (XLA compiles or loads its forward "
+                   "first)",
                    "scored the validation pairs"):
             validation_batches = [with_reference(place_batch(batch)) for batch in validation_batches]
-        eval_step = make_dpo_eval_step(model_config, settings.dpo_beta, options)
+        eval_step = StoredFunction("dpo_eval_step", make_dpo_eval_step(model_config, settings.dpo_beta,
+                                                                       options), captured, mesh=mesh)
     else:
         with_reference = lambda batch: batch  # noqa: E731
     schedule = learning_rate_schedule(settings)
@@ -356,7 +369,8 @@ def train_loop(run: Run) -> None:
     # seconds to minutes for the demo on a CPU): each says so, then how long it took.
     first_evaluation = first_step = True
     if step == 0:
-        evaluating = Phase("step 0: evaluating (XLA compiles the evaluation step first)", "step 0: evaluated")
+        evaluating = Phase("step 0: evaluating (XLA compiles or loads the evaluation step first)",
+                           "step 0: evaluated")
         evaluation = evaluate(eval_step, state.params, validation_batches)
         evaluating.done(show(evaluation))
         metrics_log.write(0, evaluation)
@@ -374,7 +388,8 @@ def train_loop(run: Run) -> None:
             tqdm.write(f"data stage {stage} from step {step + 1}: " + ", ".join(
                 f"{key.removeprefix('data/')} {value:.3g}" for key, value in
                 data_schedule.describe(stage).items() if key != "data/stage"))
-        compiling = Phase(f"step {step + 1}: compiling the train step (the first step compiles, then runs)",
+        compiling = Phase(f"step {step + 1}: compiling the train step (the first step compiles or loads "
+                          "it, then runs)",
                           f"step {step + 1}: compiled and ran", tqdm.write) if first_step else None
         started = time.perf_counter()
         batch = with_reference(place_batch(next(train_batches)))
@@ -383,6 +398,8 @@ def train_loop(run: Run) -> None:
         loss = float(metrics["loss"])  # waits for the step: the timing below is honest
         seconds = time.perf_counter() - started
         if compiling is not None:
+            if getattr(train_step, "loaded", 0):  # a StoredFunction that loaded its stored program
+                compiling.finished = f"step {step}: loaded the stored program and ran"
             compiling.done(f"loss {loss:.4f}")
             first_step = False
         if not bool(metrics["finite"]):
@@ -413,7 +430,7 @@ def train_loop(run: Run) -> None:
                           expert_load=load.astype(int).tolist())
             metrics_log.write(step, record)
         if step % settings.eval_every == 0 or step == settings.num_train_steps:
-            evaluating = Phase(f"step {step}: evaluating (XLA compiles the evaluation step first)",
+            evaluating = Phase(f"step {step}: evaluating (XLA compiles or loads the evaluation step first)",
                                f"step {step}: evaluated", tqdm.write) if first_evaluation else None
             evaluation = evaluate(eval_step, state.params, validation_batches)
             metrics_log.write(step, evaluation)

@@ -1,4 +1,4 @@
-"""The program store (glm5_jax/engine/programs.py): a second process on the same store loads the
+"""The program store (glm5_jax/programs.py): a second process on the same store loads the
 engine's step programs (no tracing, no compilation) and generates the same tokens; a program
 whose key differs (shapes, static arguments, XLA flags) is compiled instead of loaded, and so is a
 stored file that does not load or does not describe the program asked for; after an edit of the
@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from glm5_jax import programs
 from glm5_jax.compile_cache import PROGRAM_SUFFIX
-from glm5_jax.engine import programs
 from glm5_jax.engine.engine import Engine
-from glm5_jax.engine.programs import ProgramStore
 from glm5_jax.engine.runner import ModelRunner
 from glm5_jax.engine.types import SamplingParams
+from glm5_jax.programs import ProgramStore
 
 pytestmark = pytest.mark.xdist_group("engine")
 
@@ -166,3 +166,29 @@ def _other_key_path(directory: Path) -> Path:
     args = (jnp.ones((3, 5)), jnp.zeros(2), np.ones(5, np.float32))
     description = programs.describe("toy", _toy, (), args, {"scale": 2}, None)
     return directory / f"toy-{hashlib.sha256(description.encode()).hexdigest()}{PROGRAM_SUFFIX}"
+
+
+def _scaled_sum(factor: float, shift):
+    """A jitted closure, as the training loop's steps are: `factor` and `shift` are baked in."""
+    return jax.jit(lambda x: jnp.sum(x) * factor + shift)
+
+
+def test_a_closures_captured_values_are_part_of_its_key(tmp_path):
+    """StoredFunction: a closure over other values (a learning rate, a constant array) is another
+    program, even under the same name and input shapes; the same values load the stored one
+    and the counts say so."""
+    directory = str(tmp_path / "programs")
+    x = jnp.arange(4.0)
+    shift = jnp.ones(())
+
+    def stored(factor, shift, store):
+        return programs.StoredFunction("scaled", _scaled_sum(factor, shift), (factor, shift), store=store)
+
+    first = stored(2.0, shift, ProgramStore(directory))
+    assert float(first(x)) == 13.0 and (first.loaded, first.compiled) == (0, 1)
+    again = stored(2.0, shift, ProgramStore(directory))  # a restart: loaded, same result
+    assert float(again(x)) == 13.0 and (again.loaded, again.compiled) == (1, 0)
+    for factor, other_shift, expected in ((3.0, shift, 19.0), (2.0, shift * 5, 17.0)):
+        other = stored(factor, other_shift, ProgramStore(directory))
+        assert float(other(x)) == expected and other.compiled == 1, (factor, other_shift)
+    assert float(again(jnp.arange(6.0))) == 31.0 and again.compiled == 1  # a new shape: one more

@@ -1,6 +1,7 @@
 """Ahead-of-time compiled device programs: one `jax.stages.Compiled` per program and shape, kept in
-memory and on disk, so that a restart loads the runner's step programs instead of tracing,
-lowering and compiling them again.
+memory and on disk, so that a restart loads its programs instead of tracing, lowering and
+compiling them again: the serving runner's step programs (engine/runner.py) and the training
+loop's train, evaluation and initialisation steps (train/loop.py, through `StoredFunction`).
 
 Why: a call through `jax.jit` traces and lowers its function for every new shape before JAX can
 even compute the key of its persistent compilation cache. On the demo model a warm start spent
@@ -12,12 +13,13 @@ comes back from a step with another committedness), and the executable is writte
 the same program under the same key loads it: no tracing, no lowering, no compilation.
 
 The key is a SHA-256 over everything that makes the program (`describe`): its name and
-function, the static arguments (model config, execution options, shapes such as steps), every
-input's shape, dtype, weak type and sharding (device ids included), the source of glm5_jax and
-kernels_pallas (any edit changes every key), the jax and jaxlib versions, the backend, its
-version and device kinds, the process's place in a multi-process job, the mesh, XLA_FLAGS /
-LIBTPU_INIT_ARGS and JAX's configuration (less its cache and logging settings). The file keeps
-the whole description too: it is used only when that matches exactly.
+function, what a jitted closure captured (named by its caller: configs, settings, constant
+arrays by a hash of their bytes), the static arguments (model config, execution options, shapes
+such as steps), every input's shape, dtype, weak type and sharding (device ids included), the
+source of glm5_jax and kernels_pallas (any edit changes every key), the jax and jaxlib
+versions, the backend, its version and device kinds, the process's place in a multi-process
+job, the mesh, XLA_FLAGS / LIBTPU_INIT_ARGS and JAX's configuration (less its cache and logging
+settings). The file keeps the whole description too: it is used only when that matches exactly.
 
 On a miss the program is traced and lowered, and looked up a second time by its lowered module
 (`hlo-` files: the StableHLO text without locations, its input and output trees, the same
@@ -80,7 +82,7 @@ def default_directory() -> str | None:
 @functools.cache
 def source_fingerprint() -> str:
     """SHA-256 of the library's Python source (glm5_jax/, kernels_pallas/): file names and contents."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
     for top in _SOURCE_ROOTS:
         for path in sorted((root / top).rglob("*.py")):
@@ -127,12 +129,24 @@ def _device_ids(sharding) -> list[int]:
     return [device.id for device in devices]
 
 
-def describe(name: str, function, static_args: tuple, args: tuple, static_kwargs: dict, mesh) -> str:
-    """Everything that makes the program `function(*static_args, *args, **static_kwargs)`."""
+def _captured(value) -> str:
+    """What a closure captured, for the key: arrays by shape, dtype and a hash of their bytes,
+    anything else by its repr (a dataclass config names all its fields)."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        data = np.asarray(value)
+        return f"array {data.dtype}{list(data.shape)} {hashlib.sha256(data.tobytes()).hexdigest()}"
+    return repr(value)
+
+
+def describe(name: str, function, static_args: tuple, args: tuple, static_kwargs: dict, mesh,
+             captured: tuple = ()) -> str:
+    """Everything that makes the program `function(*static_args, *args, **static_kwargs)`;
+    captured: what `function` closed over (its name says nothing of that)."""
     leaves, tree = jax.tree.flatten(args)
     return "\n".join((
         f"program {name}: {function.__module__}.{getattr(function, '__qualname__', function)}",
         f"static {static_args!r} {sorted(static_kwargs.items())!r}",
+        f"captured {[_captured(value) for value in captured]}",
         f"mesh {mesh!r} {None if mesh is None else mesh.device_ids.tolist()}",
         f"inputs {tree}", *map(_leaf, leaves), _environment()))
 
@@ -156,13 +170,14 @@ class ProgramStore:
         self.loaded = self.relowered = self.compiled_count = 0
 
     def compiled(self, name: str, function, static_args: tuple, args: tuple, static_kwargs: dict,
-                 mesh=None) -> jax.stages.Compiled:
+                 mesh=None, captured: tuple = ()) -> jax.stages.Compiled:
         """The program `function` (a jax.jit function) for these arguments, called as
         `program(*args)`. static_args: leading positional static arguments (the model config);
-        static_kwargs: the keyword static arguments. Call it in the context the program is traced
-        in (the runner's mesh rules)."""
+        static_kwargs: the keyword static arguments; captured: everything a jitted closure
+        closed over that shapes its program (configs, settings, constant arrays). Call it in the
+        context the program is traced in (the runner's mesh rules)."""
         try:
-            description = describe(name, function, static_args, args, static_kwargs, mesh)
+            description = describe(name, function, static_args, args, static_kwargs, mesh, captured)
         except Exception as exc:  # noqa: BLE001 - a jax this cannot describe: compile, store nothing
             logger.warning("program %s cannot be keyed (%s: %s): compiled, not stored", name,
                            type(exc).__name__, exc)
@@ -238,7 +253,10 @@ class ProgramStore:
             from jax.experimental.serialize_executable import serialize
 
             executable, in_tree, out_tree = serialize(program)
-            devices = _device_ids(jax.tree.leaves(program.input_shardings)[0])
+            # Where it runs: its first input's devices, or its first output's (an initialiser
+            # takes no input).
+            devices = _device_ids((jax.tree.leaves(program.input_shardings)
+                                   or jax.tree.leaves(program.output_shardings))[0])
         except Exception as exc:  # noqa: BLE001 - not stored: the next start compiles it again
             logger.warning("program %s cannot be stored (%s: %s)", stem, type(exc).__name__, exc)
             return False
@@ -303,6 +321,34 @@ class _ThreadCacheHits:
 
 
 _CACHE_HITS = _ThreadCacheHits()
+
+
+class StoredFunction:
+    """`jitted(*args)` through a store's programs, one per input signature (shapes and dtypes):
+    a restart loads them instead of tracing, lowering and compiling. For a jitted closure,
+    `captured` must name all it closed over that shapes its program (module docs: the key);
+    `context` (a callable returning a context manager) is entered around tracing and every call,
+    e.g. the mesh's sharding rules. `loaded` / `compiled` count what the store did for it."""
+
+    def __init__(self, name: str, jitted, captured: tuple, *, mesh=None, context=None,
+                 store: ProgramStore | None = None):
+        self.name, self.jitted, self.captured, self.mesh = name, jitted, captured, mesh
+        self.context = context or contextlib.nullcontext
+        self.store = store if store is not None else program_store(default_directory())
+        self._programs: dict[tuple, jax.stages.Compiled] = {}
+        self.loaded = self.compiled = 0
+
+    def __call__(self, *args):
+        key = signature(args)
+        program = self._programs.get(key)
+        with self.context():
+            if program is None:
+                loaded, compiled = self.store.loaded, self.store.compiled_count
+                program = self.store.compiled(self.name, self.jitted, (), args, {}, self.mesh, self.captured)
+                self.loaded += self.store.loaded - loaded
+                self.compiled += self.store.compiled_count - compiled
+                self._programs[key] = program
+            return program(*args)
 
 
 _STORES: dict[str | None, ProgramStore] = {}
