@@ -118,6 +118,9 @@ def test_sigterm_drains_and_half_open_connections_are_closed(checkpoint, tmp_pat
     process = subprocess.Popen(
         [sys.executable, "serve.py", "--checkpoint", str(directory), "--port", str(port),
          "--max-slots", "4", "--max-context", "64", "--page-size", "8", "--token-budget", "16",
+         # One decode step per call: the drain below must land while the running choices still
+         # run, after a SIGTERM that uvicorn notices within 0.1 s (+ a loaded machine's delays).
+         "--decode-steps", "1",
          "--shutdown-timeout", "0", "--read-timeout", "1", "--feedback-dir", str(feedback),
          "--default-chat-template-kwargs", '{"enable_thinking": false}'],  # a train.py run's default
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
