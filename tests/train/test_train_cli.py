@@ -214,7 +214,7 @@ def test_fine_tuning_on_chat_data_from_an_hf_checkpoint_resumes(uninterrupted, e
     conversations = stdlib_conversations(["bisect", "colorsys", "fnmatch", "glob", "shlex"])
     chat.write_text("".join(json.dumps(c) + "\n" for c in conversations))
     workdir = tmp_path / "tuned"
-    tune = (f"--config.init_from={checkpoint}", "--config.num_train_steps=2", "--config.checkpoint_every=2",
+    tune = (f"--config.init_from={checkpoint}", "--config.num_train_steps=3", "--config.checkpoint_every=2",
             "--config.data.seq_len=256")
     result = run_train(workdir, f"chat:{chat}", *tune)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -253,11 +253,14 @@ def test_fine_tuning_on_chat_data_from_an_hf_checkpoint_resumes(uninterrupted, e
         nats -= float(np.sum(np.take_along_axis(log_probs, targets[..., None], -1)[..., 0] * weights))
         tokens += float(weights.sum())
     np.testing.assert_allclose(validation_losses(workdir)[0], nats / tokens, rtol=1e-5)
-    result = run_train(workdir, f"chat:{chat}", *tune[:1], tune[3], "--config.num_train_steps=3")
+    # A run stopped before its last save (step 3's checkpoint gone) resumes at step 2 on the same
+    # stored train step.
+    shutil.rmtree(workdir / "checkpoints" / "3")
+    result = run_train(workdir, f"chat:{chat}", *tune)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resuming at step 2" in result.stdout and "initialised from" not in result.stdout
     assert "restoring checkpoint step 2..." in result.stdout and "restored step 2 in " in result.stdout
-    assert "step 3: compiled and ran in " in result.stdout
+    assert "step 3: loaded the stored program and ran in " in result.stdout
     assert sorted(losses(workdir)) == [1, 2, 3]
     # (A config that disagrees with the checkpoint's architecture: tests/train/test_finetune.py.)
 
