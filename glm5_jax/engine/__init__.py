@@ -8,7 +8,7 @@
                     preemption, prefix caching, pages
     paged_cache.py  page hash chain and PageAllocator (ref counts, LRU, host offload)
     runner.py       ModelRunner: parameters, page pool, sampler state and the device step programs
-    programs.py     ahead-of-time compiled step programs, one per shape, stored serialized for restarts
+                    (ahead-of-time compiled, kept for restarts: glm5_jax/programs.py)
     delivery.py     a call's sampled tokens -> each request's Burst (finish checks per request, not token)
     timing.py       opt-in host time per device call by phase and the device's idle share
     batches.py      a scheduler plan -> the runner's host arrays (tokens, positions, block tables, stop ids)

@@ -65,7 +65,7 @@ class Run:
     chat_statistics: dict
     pairs: bool  # DPO: preference pairs
     data_kind: str
-    train_step: Callable
+    train_step: StoredFunction
     eval_step: Callable
     place_batch: Callable  # host batch -> (sharded) device arrays
     with_reference: Callable  # DPO: adds the frozen reference's log-probs
@@ -398,7 +398,7 @@ def train_loop(run: Run) -> None:
         loss = float(metrics["loss"])  # waits for the step: the timing below is honest
         seconds = time.perf_counter() - started
         if compiling is not None:
-            if getattr(train_step, "loaded", 0):  # a StoredFunction that loaded its stored program
+            if train_step.loaded:  # (a StoredFunction) its program came from the store
                 compiling.finished = f"step {step}: loaded the stored program and ran"
             compiling.done(f"loss {loss:.4f}")
             first_step = False
